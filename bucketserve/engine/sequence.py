@@ -1,0 +1,163 @@
+"""Per-request state. One `Sequence` owns everything the engine knows about a request."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; the message names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k alternatives
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self) -> None:
+        def need(ok: bool, param: str, msg: str) -> None:
+            if not ok:
+                raise SamplingError(param, msg)
+
+        need(self.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        need(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        need(0.0 <= self.temperature <= 2.0, "temperature",
+             f"temperature must be in [0, 2], got {self.temperature}")
+        need(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        need(self.top_k == -1 or self.top_k >= 0, "top_k", f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        need(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        need(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+             f"logprobs must be between 0 and 20, got {self.logprobs}")
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens reached (or the model's context is full)
+    ABORT = "abort"  # cancelled by the client
+    TIMEOUT = "timeout"  # waited in the queue past the queue timeout
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob) of the top-n alternatives, best first
+
+
+class Sequence:
+    """One generation request: token ids, progress, KV blocks, sampling state.
+
+    token_ids = prompt + generated so far. `num_computed_tokens` of them have their K/V
+    in the pool. After a preemption it falls back to 0 and the whole sequence (prompt and
+    generated tokens) is recomputed; generated tokens are never thrown away.
+    """
+
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        queue_timeout_s: float | None = None,
+    ) -> None:
+        self.request_id = request_id if request_id is not None else f"seq-{next(_ids)}"
+        self.seq_no = next(_ids)  # arrival tie-breaker
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.deadline = None if queue_timeout_s is None else self.arrival_time + queue_timeout_s
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, float, int]:
+        """Admission order: lower priority value first, then arrival."""
+        return (self.priority, self.arrival_time, self.seq_no)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

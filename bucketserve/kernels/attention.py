@@ -1,0 +1,166 @@
+"""Paged attention: the one interface that model code calls.
+
+A step's tokens are flattened into one batch of T tokens, grouped by sequence, decodes
+first and then prefills (chunks of prompts, or whole prompts):
+
+    tokens:   | d0 | d1 | d2 |  p0 p0 p0 p0 p0  |  p1 p1 p1  |
+    seq:        0    1    2          3                4
+    query_start_loc = [0, 1, 2, 3, 8, 11]        (B+1 entries)
+    seq_lens        = context length of each sequence after this step, cached tokens
+                      included (a decode's query is its last position)
+
+Each token's K/V is written to the pool at `slot_mapping[t]` (block * block_size + offset)
+before attention reads the context back through the block tables. Queries attend
+causally: query i of sequence s (at position seq_lens[s] - q_len + i) sees positions
+0 .. seq_lens[s] - q_len + i.
+
+KV pool of one layer: k_cache, v_cache, each [num_blocks, block_size, num_kv_heads, head_dim].
+Block 0 is reserved as the dummy block: padded slots write there and nothing reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
+    num_decodes: int  # sequences 0..num_decodes-1 have query length 1
+    max_query_len: int
+    max_seq_len: int
+    # host copies, so the CPU path never syncs
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[None]:
+    """Makes `meta` visible to every attention layer for one forward pass."""
+    global _current
+    prev, _current = _current, meta
+    try:
+        yield
+    finally:
+        _current = prev
+
+
+def get_forward_context() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention called outside forward_context()")
+    return _current
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] -> pool slots. Reference (torch) version."""
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` positions of one sequence: [length, Hkv, D]."""
+    bs = cache.shape[1]
+    nblocks = (length + bs - 1) // bs
+    return cache[block_table[:nblocks]].flatten(0, 1)[:length]
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Torch reference over the pool (K/V already written). q: [T, Hq, D] -> [T, Hq, D].
+
+    Decodes are batched into one padded SDPA call; each prefill is one causal SDPA call.
+    """
+    out = torch.empty_like(q)
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    nd = meta.num_decodes
+    if nd:
+        lens = meta.seq_lens_cpu[:nd]
+        max_len = max(lens)
+        bs = k_cache.shape[1]
+        nblocks = (max_len + bs - 1) // bs
+        tables = meta.block_tables[:nd, :nblocks]
+        # [nd, nblocks*bs, Hkv, D] -> [nd, Hkv, L, D]
+        k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        lens_t = torch.tensor(lens, device=q.device)
+        mask = torch.arange(max_len, device=q.device)[None, :] < lens_t[:, None]  # [nd, L]
+        qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
+        o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype),
+                                           attn_mask=mask[:, None, None, :], scale=scale)
+        out[:nd] = o.squeeze(2)
+    start = nd
+    for s in range(nd, meta.num_seqs):
+        qlen, klen = meta.query_lens_cpu[s], meta.seq_lens_cpu[s]
+        table = meta.block_tables[s]
+        k = _gather_context(k_cache, table, klen).transpose(0, 1)  # [Hkv, klen, D]
+        v = _gather_context(v_cache, table, klen).transpose(0, 1)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=0)
+            v = v.repeat_interleave(group, dim=0)
+        qs = q[start:start + qlen].transpose(0, 1)  # [Hq, qlen, D]
+        if qlen == klen:
+            o = F.scaled_dot_product_attention(qs, k.to(q.dtype), v.to(q.dtype),
+                                               is_causal=True, scale=scale)
+        else:
+            # chunk of a longer context: query i sits at position klen - qlen + i
+            qpos = torch.arange(klen - qlen, klen, device=q.device)
+            mask = torch.arange(klen, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(qs, k.to(q.dtype), v.to(q.dtype),
+                                               attn_mask=mask, scale=scale)
+        out[start:start + qlen] = o.transpose(0, 1)
+        start += qlen
+    return out
+
+
+class AttentionBackend:
+    """Writes the new K/V into the pool, then attends over it. Subclassed by the Triton
+    backend on CUDA (bucketserve.kernels.triton_attention), selected by the runner."""
+
+    name = "torch"
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return reference_attention(q, k_cache, v_cache, meta, scale)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        meta = get_forward_context()
+        self.write_kv(k, v, k_cache, v_cache, meta)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+
+def get_backend(device: torch.device | str) -> AttentionBackend:
+    if torch.device(device).type == "cuda":
+        from bucketserve.kernels.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return AttentionBackend()
