@@ -1,0 +1,393 @@
+"""Loading and validating the bucket / batching TOML file.
+
+The shipped `default.toml` holds every key with its documented default. A user file may set any
+subset; each key it sets is validated on its own, then merged over the defaults, then the few
+cross-key rules are checked. Every user mistake raises ConfigError, whose str() is a single line
+"FILE: table.key: problem; expected ..." so it reads well in a log line or a CLI error.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the API-identical backport, if installed
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from bucketserve.buckets.spec import BucketSpec
+
+DEFAULT_NAME = "default.toml"
+
+
+class ConfigError(ValueError):
+    """A bad buckets file. str() is one line naming the file, the dotted key and the fix."""
+
+    def __init__(self, source: str, key: str | None, problem: str) -> None:
+        self.source = source
+        self.key = key
+        self.problem = _one_line(problem)
+        where = f"{source}: {key}: " if key else f"{source}: "
+        super().__init__(_one_line(where + self.problem))
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+class _Bad(Exception):
+    """Raised by a value validator with the problem text; the loader adds file and key."""
+
+
+# ---------------------------------------------------------------------------- value validators
+def _toml_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    return "a date/time"
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else str(value).replace("'", '"')
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _got(value: Any) -> str:
+    return f"got {_toml_type(value)} ({_show(value)})"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # TOML true is not 1
+
+
+def _positive_int(value: Any) -> int:
+    if not _is_int(value):
+        raise _Bad(f"{_got(value)}; expected a positive integer")
+    if value < 1:
+        raise _Bad(f"got {value}; expected a positive integer (>= 1)")
+    return value
+
+
+def _increasing_ints(value: Any) -> tuple[int, ...]:
+    expected = "expected a non-empty array of strictly increasing positive integers, e.g. [16, 32, 64]"
+    if not isinstance(value, list):
+        raise _Bad(f"{_got(value)}; {expected}")
+    if not value:
+        raise _Bad(f"got an empty array; {expected}")
+    for i, item in enumerate(value):
+        if not _is_int(item):
+            raise _Bad(f"element {i} is {_toml_type(item)} ({_show(item)}); {expected}")
+        if item < 1:
+            raise _Bad(f"element {i} is {item}; {expected}")
+        if i and item <= value[i - 1]:
+            raise _Bad(
+                f"element {i} ({item}) is not larger than element {i - 1} ({value[i - 1]}); {expected}"
+            )
+    return tuple(value)
+
+
+def _number(value: Any, what: str) -> float:
+    if not (_is_int(value) or isinstance(value, float)):
+        raise _Bad(f"{_got(value)}; expected {what}")
+    if not math.isfinite(value):
+        raise _Bad(f"got {value}; expected {what}")
+    return float(value)
+
+
+def _positive_float(value: Any) -> float:
+    what = "a finite number > 0"
+    if _number(value, what) <= 0:
+        raise _Bad(f"got {value}; expected {what}")
+    return float(value)
+
+
+def _non_negative_float(value: Any) -> float:
+    what = "a finite number >= 0"
+    if _number(value, what) < 0:
+        raise _Bad(f"got {value}; expected {what}")
+    return float(value)
+
+
+def _fraction(value: Any) -> float:
+    what = "a number in (0, 1], e.g. 0.9"
+    number = _number(value, what)
+    if not 0 < number <= 1:
+        raise _Bad(f"got {value}; expected {what}")
+    return number
+
+
+POLICIES = ("fcfs", "priority")
+
+
+def _policy(value: Any) -> str:
+    expected = "expected one of " + ", ".join(f'"{p}"' for p in POLICIES)
+    if not isinstance(value, str):
+        raise _Bad(f"{_got(value)}; {expected}")
+    if value not in POLICIES:
+        close = difflib.get_close_matches(value.lower(), POLICIES, n=1, cutoff=0.5)
+        hint = f' (did you mean "{close[0]}"?)' if close else ""
+        raise _Bad(f"got {value!r}{hint}; {expected}")
+    return value
+
+
+# (table, key) -> (validator, BucketsConfig field path). "embedding.x" fields live in
+# BucketsConfig.embedding. The order here is the order of to_toml().
+_SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
+    "prefill": {"boundaries": (_increasing_ints, "prefill_boundaries")},
+    "decode": {"batch_sizes": (_increasing_ints, "decode_batch_sizes")},
+    "scheduler": {
+        "max_running": (_positive_int, "max_running"),
+        "max_batched_tokens": (_positive_int, "max_batched_tokens"),
+        "max_waiting": (_positive_int, "max_waiting"),
+        "queue_timeout_s": (_positive_float, "queue_timeout_s"),
+        "policy": (_policy, "policy"),
+    },
+    "kv_cache": {
+        "block_size": (_positive_int, "block_size"),
+        "cpu_memory_gib": (_positive_float, "cpu_memory_gib"),
+        "gpu_memory_fraction": (_fraction, "gpu_memory_fraction"),
+    },
+    "embedding": {
+        "boundaries": (_increasing_ints, "embedding.boundaries"),
+        "preferred_batch_size": (_positive_int, "embedding.preferred_batch_size"),
+        "max_batch_tokens": (_positive_int, "embedding.max_batch_tokens"),
+        "max_queue_delay_ms": (_non_negative_float, "embedding.max_queue_delay_ms"),
+        "max_inputs_per_request": (_positive_int, "embedding.max_inputs_per_request"),
+    },
+}
+
+
+# ---------------------------------------------------------------------------------- the config
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    boundaries: tuple[int, ...]
+    preferred_batch_size: int
+    max_batch_tokens: int
+    max_queue_delay_ms: float
+    max_inputs_per_request: int
+
+    @property
+    def spec(self) -> BucketSpec:
+        return BucketSpec(self.boundaries)
+
+
+@dataclass(frozen=True)
+class BucketsConfig:
+    prefill_boundaries: tuple[int, ...]
+    decode_batch_sizes: tuple[int, ...]
+    max_running: int
+    max_batched_tokens: int
+    max_waiting: int
+    queue_timeout_s: float
+    policy: str
+    block_size: int
+    cpu_memory_gib: float
+    gpu_memory_fraction: float
+    embedding: EmbeddingConfig
+    # Where the values came from, for error messages: the user file (or the default file), and
+    # the dotted keys the user file set (defaults may be adapted to the model; user values not).
+    source: str = field(default="<defaults>", compare=False)
+    user_keys: frozenset[str] = field(default=frozenset(), compare=False)
+
+    @property
+    def prefill_spec(self) -> BucketSpec:
+        return BucketSpec(self.prefill_boundaries)
+
+    @property
+    def decode_spec(self) -> BucketSpec:
+        """Decode batch sizes as buckets: lookup(B) is the CUDA Graph size a batch of B uses."""
+        return BucketSpec(self.decode_batch_sizes)
+
+    def check_model(
+        self, max_model_len: int | None = None, embedding_max_len: int | None = None
+    ) -> BucketsConfig:
+        """Check the boundaries against the loaded model(s); returns the config to use.
+
+        A boundary the user set above the model's context is a ConfigError. Default boundaries
+        (the user did not set the key) are instead cut to the context, which then becomes the
+        last boundary, so every admissible length still has a bucket.
+        """
+        config = self
+        if max_model_len is not None:
+            bounds = self._fit("prefill.boundaries", self.prefill_boundaries, max_model_len,
+                               "the model's context length (max_model_len)")
+            config = replace(config, prefill_boundaries=bounds)
+        if embedding_max_len is not None:
+            bounds = self._fit("embedding.boundaries", self.embedding.boundaries,
+                               embedding_max_len, "the embedding model's maximum input length")
+            config = replace(config, embedding=replace(config.embedding, boundaries=bounds))
+            config._check_cross_keys()
+        return config
+
+    def _fit(self, key: str, bounds: tuple[int, ...], limit: int, what: str) -> tuple[int, ...]:
+        if not _is_int(limit) or limit < 1:
+            raise ValueError(f"{what} must be a positive integer, got {limit!r}")
+        if bounds[-1] <= limit:
+            return bounds
+        if key in self.user_keys:
+            raise ConfigError(
+                self.source, key,
+                f"boundary {bounds[-1]} exceeds {what} {limit}; expected every boundary <= "
+                f"{limit} (drop the larger ones, or end the list at {limit})",
+            )
+        kept = tuple(b for b in bounds if b < limit)
+        return kept + (limit,)
+
+    def _check_cross_keys(self) -> None:
+        emb = self.embedding
+        if emb.max_batch_tokens < emb.boundaries[-1]:
+            key = ("embedding.max_batch_tokens"
+                   if "embedding.max_batch_tokens" in self.user_keys or
+                   "embedding.boundaries" not in self.user_keys else "embedding.boundaries")
+            raise ConfigError(
+                self.source, key,
+                f"embedding.max_batch_tokens ({emb.max_batch_tokens}) is smaller than the last "
+                f"embedding.boundaries value ({emb.boundaries[-1]}), so an input of that length "
+                f"could never be batched; expected max_batch_tokens >= {emb.boundaries[-1]}",
+            )
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The effective config as {table: {key: value}}, in the TOML schema's shape."""
+        out: dict[str, dict[str, Any]] = {}
+        for table, keys in _SCHEMA.items():
+            out[table] = {}
+            for key, (_, attr) in keys.items():
+                obj: Any = self
+                for part in attr.split("."):
+                    obj = getattr(obj, part)
+                out[table][key] = list(obj) if isinstance(obj, tuple) else obj
+        return out
+
+    def to_toml(self) -> str:
+        """The effective config as a complete TOML buckets file (loads back to an equal config)."""
+        lines: list[str] = []
+        for table, keys in self.to_dict().items():
+            lines.append(f"[{table}]")
+            for key, value in keys.items():
+                if isinstance(value, str):
+                    text = f'"{value}"'
+                elif isinstance(value, list):
+                    text = "[" + ", ".join(str(v) for v in value) + "]"
+                else:
+                    text = repr(value)
+                lines.append(f"{key} = {text}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- loading
+def default_buckets_path() -> Path:
+    """Path of the shipped default.toml (package data)."""
+    return Path(str(resources.files("bucketserve.buckets").joinpath(DEFAULT_NAME)))
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    source = str(path)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(
+            source, None, "file not found; expected a path to a TOML buckets file"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(source, None, "is a directory; expected a TOML buckets file") from None
+    except OSError as e:
+        raise ConfigError(source, None, f"cannot read the file ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            source, None, f"not valid UTF-8 at byte {e.start}; expected a UTF-8 TOML file"
+        ) from None
+    except tomllib.TOMLDecodeError as e:
+        # tomllib's message carries the position, e.g. "... (at line 3, column 9)".
+        raise ConfigError(source, None, f"invalid TOML: {e}") from None
+
+
+def _unknown_key_hint(table: str, key: str) -> str:
+    close = difflib.get_close_matches(key, list(_SCHEMA[table]), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {table}.{close[0]}?"
+    owners = [t for t, keys in _SCHEMA.items() if key in keys]
+    if owners:
+        return f"did you mean {owners[0]}.{key} (it belongs in [{owners[0]}])?"
+    return "valid keys in [" + table + "]: " + ", ".join(_SCHEMA[table])
+
+
+def _validated(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """Validate one parsed file (any subset of keys); returns {"table.key": normalized value}."""
+    out: dict[str, Any] = {}
+    for table, body in data.items():
+        if table not in _SCHEMA:
+            owners = [t for t, keys in _SCHEMA.items() if table in keys]
+            close = difflib.get_close_matches(table, list(_SCHEMA), n=1, cutoff=0.6)
+            if owners:
+                hint = f"keys go inside their table: did you mean [{owners[0]}] {table} = ...?"
+            elif close:
+                hint = f"did you mean [{close[0]}]?"
+            else:
+                hint = "valid tables: " + ", ".join(f"[{t}]" for t in _SCHEMA)
+            raise ConfigError(source, table, f"unknown table; {hint}")
+        if not isinstance(body, dict):
+            raise ConfigError(
+                source, table, f"{_got(body)}; expected a table ([{table}] with keys under it)"
+            )
+        for key, value in body.items():
+            dotted = f"{table}.{key}"
+            if key not in _SCHEMA[table]:
+                raise ConfigError(source, dotted, f"unknown key; {_unknown_key_hint(table, key)}")
+            validator, _ = _SCHEMA[table][key]
+            try:
+                out[dotted] = validator(value)
+            except _Bad as e:
+                raise ConfigError(source, dotted, str(e)) from None
+    return out
+
+
+def _build(values: dict[str, Any], source: str, user_keys: frozenset[str]) -> BucketsConfig:
+    top: dict[str, Any] = {}
+    emb: dict[str, Any] = {}
+    for table, keys in _SCHEMA.items():
+        for key, (_, attr) in keys.items():
+            value = values[f"{table}.{key}"]
+            if attr.startswith("embedding."):
+                emb[attr.split(".", 1)[1]] = value
+            else:
+                top[attr] = value
+    return BucketsConfig(**top, embedding=EmbeddingConfig(**emb), source=source,
+                         user_keys=user_keys)
+
+
+def load_buckets(
+    path: str | Path | None = None, max_model_len: int | None = None
+) -> BucketsConfig:
+    """Load the buckets config: the defaults, overridden by the keys set in `path` (if given).
+
+    With max_model_len, also runs check_model(max_model_len) (see there). Raises ConfigError,
+    a ValueError with a one-line message, for any problem in the file.
+    """
+    default_path = default_buckets_path()
+    values = _validated(_read_toml(default_path), str(default_path))
+    source, user_keys = str(default_path), frozenset()
+    if path is not None:
+        source = str(path)
+        user = _validated(_read_toml(Path(path)), source)
+        values.update(user)
+        user_keys = frozenset(user)
+    config = _build(values, source, user_keys)
+    config._check_cross_keys()
+    return config.check_model(max_model_len)

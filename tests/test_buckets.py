@@ -1,0 +1,445 @@
+"""Buckets config (load / merge / validation / CLI) and bucket arithmetic (lookup / profiles /
+padding). Pure Python: fast, no model needed."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from bucketserve.buckets import (
+    BucketsConfig,
+    BucketSpec,
+    ConfigError,
+    PaddingCounter,
+    default_buckets_path,
+    load_buckets,
+    round_up_batch_size,
+)
+from bucketserve.buckets.__main__ import main as cli_main
+
+# The schema and defaults as documented in /work/notes/TEAM.md (the spec this package implements).
+DOCUMENTED_DEFAULTS = {
+    "prefill": {"boundaries": [16, 32, 64, 128, 256, 512, 1024, 2048]},
+    "decode": {"batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]},
+    "scheduler": {"max_running": 256, "max_batched_tokens": 2048, "max_waiting": 1024,
+                  "queue_timeout_s": 600.0, "policy": "priority"},
+    "kv_cache": {"block_size": 16, "cpu_memory_gib": 2.0, "gpu_memory_fraction": 0.9},
+    "embedding": {"boundaries": [16, 32, 64, 128, 256, 512], "preferred_batch_size": 32,
+                  "max_batch_tokens": 8192, "max_queue_delay_ms": 5.0,
+                  "max_inputs_per_request": 2048},
+}
+
+
+def write(tmp_path: Path, text: str, name: str = "buckets.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def load_error(path: Path, max_model_len: int | None = None) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_buckets(path, max_model_len=max_model_len)
+    err = info.value
+    assert "\n" not in str(err) and "\r" not in str(err), str(err)
+    assert str(err).startswith(f"{path}: "), str(err)
+    return err
+
+
+# ------------------------------------------------------------------------------ default file
+def test_default_file_matches_documented_defaults() -> None:
+    config = load_buckets()
+    assert config.to_dict() == DOCUMENTED_DEFAULTS
+    assert config.prefill_boundaries == tuple(DOCUMENTED_DEFAULTS["prefill"]["boundaries"])
+    assert config.embedding.max_queue_delay_ms == 5.0
+    assert config.user_keys == frozenset()
+    assert isinstance(config.queue_timeout_s, float)
+
+
+def test_default_file_parsed_directly_equals_loaded_config() -> None:
+    raw = tomllib.loads(default_buckets_path().read_text())
+    assert raw == load_buckets().to_dict()
+
+
+def test_default_file_is_package_data_and_documents_every_key() -> None:
+    path = default_buckets_path()
+    assert path.name == "default.toml" and path.is_file()
+    lines = path.read_text().splitlines()
+    keys_seen = 0
+    for i, line in enumerate(lines):
+        if re.match(r"^[a-z_]+\s*=", line):
+            keys_seen += 1
+            assert lines[i - 1].lstrip().startswith("#"), f"undocumented key: {line}"
+    assert keys_seen == sum(len(t) for t in DOCUMENTED_DEFAULTS.values())
+
+
+def test_config_is_frozen() -> None:
+    config = load_buckets()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_running = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.embedding.boundaries = (1,)  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------------------------ merging
+def test_partial_file_merges_with_defaults(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+[decode]
+batch_sizes = [1, 8, 64]
+
+[scheduler]
+policy = "fcfs"
+queue_timeout_s = 30      # an integer is accepted for a float key
+
+[embedding]
+max_queue_delay_ms = 0
+""")
+    config = load_buckets(path)
+    expected = {t: dict(keys) for t, keys in DOCUMENTED_DEFAULTS.items()}
+    expected["decode"]["batch_sizes"] = [1, 8, 64]
+    expected["scheduler"]["policy"] = "fcfs"
+    expected["scheduler"]["queue_timeout_s"] = 30.0
+    expected["embedding"]["max_queue_delay_ms"] = 0.0
+    assert config.to_dict() == expected
+    assert isinstance(config.queue_timeout_s, float)
+    assert config.source == str(path)
+    assert config.user_keys == {"decode.batch_sizes", "scheduler.policy",
+                                "scheduler.queue_timeout_s", "embedding.max_queue_delay_ms"}
+
+
+def test_empty_file_gives_defaults(tmp_path: Path) -> None:
+    assert load_buckets(write(tmp_path, "# nothing set\n")) == load_buckets()
+
+
+def test_string_path_accepted(tmp_path: Path) -> None:
+    path = write(tmp_path, "[kv_cache]\nblock_size = 32\n")
+    assert load_buckets(str(path)).block_size == 32
+
+
+def test_small_token_budget_is_legal(tmp_path: Path) -> None:
+    # Chunked prefill: a budget below the longest prompt bucket is allowed.
+    config = load_buckets(write(tmp_path, "[scheduler]\nmax_batched_tokens = 1\n"))
+    assert config.max_batched_tokens == 1 < config.prefill_boundaries[-1]
+
+
+def test_gpu_memory_fraction_one_is_legal(tmp_path: Path) -> None:
+    assert load_buckets(write(tmp_path, "[kv_cache]\ngpu_memory_fraction = 1\n")
+                        ).gpu_memory_fraction == 1.0
+
+
+def test_to_toml_round_trips(tmp_path: Path) -> None:
+    config = load_buckets(write(tmp_path, """
+[prefill]
+boundaries = [8, 100, 333]
+[scheduler]
+policy = "fcfs"
+queue_timeout_s = 0.25
+[kv_cache]
+cpu_memory_gib = 0.5
+[embedding]
+boundaries = [4, 9]
+max_batch_tokens = 9
+"""))
+    again = load_buckets(write(tmp_path, config.to_toml(), name="again.toml"))
+    assert again == config
+    assert again.user_keys == {f"{t}.{k}" for t, keys in DOCUMENTED_DEFAULTS.items() for k in keys}
+
+
+def test_specs_from_config() -> None:
+    config = load_buckets()
+    assert config.prefill_spec == BucketSpec(config.prefill_boundaries)
+    assert config.decode_spec.lookup(3) == round_up_batch_size(3, config.decode_batch_sizes)
+    assert list(config.embedding.spec) == list(config.embedding.boundaries)
+
+
+# ------------------------------------------------------------------------------- validation
+# (file text, dotted key the message must name, fragments it must contain)
+INVALID = [
+    # unknown tables / keys, with suggestions
+    ("[prefil]\nboundaries = [16]\n", "prefil", ["unknown table", "[prefill]"]),
+    ("block_size = 16\n", "block_size", ["unknown table", "[kv_cache]"]),
+    ("[gpu]\nx = 1\n", "gpu", ["unknown table", "valid tables", "[embedding]"]),
+    ("prefill = 3\n", "prefill", ["integer", "expected a table"]),
+    ("[scheduler]\nmax_runing = 4\n", "scheduler.max_runing",
+     ["unknown key", "scheduler.max_running"]),
+    ("[decode]\nmax_running = 4\n", "decode.max_running",
+     ["unknown key", "scheduler.max_running", "[scheduler]"]),
+    ("[kv_cache]\nzzz = 1\n", "kv_cache.zzz", ["unknown key", "block_size"]),
+    ("[prefill.extra]\nx = 1\n", "prefill.extra", ["unknown key"]),
+    # integers: bool is not an int, nor a string / float
+    ("[scheduler]\nmax_running = true\n", "scheduler.max_running", ["boolean", "positive integer"]),
+    ('[scheduler]\nmax_waiting = "8"\n', "scheduler.max_waiting", ["string", "positive integer"]),
+    ("[kv_cache]\nblock_size = 16.0\n", "kv_cache.block_size", ["float", "positive integer"]),
+    ("[scheduler]\nmax_waiting = 0\n", "scheduler.max_waiting", ["got 0", ">= 1"]),
+    ("[kv_cache]\nblock_size = -16\n", "kv_cache.block_size", ["-16", ">= 1"]),
+    ("[scheduler]\nmax_batched_tokens = 0\n", "scheduler.max_batched_tokens", [">= 1"]),
+    ("[embedding]\npreferred_batch_size = 0\n", "embedding.preferred_batch_size", [">= 1"]),
+    ("[embedding]\nmax_inputs_per_request = false\n", "embedding.max_inputs_per_request",
+     ["boolean"]),
+    # boundary / batch-size arrays
+    ("[prefill]\nboundaries = 16\n", "prefill.boundaries", ["integer", "array"]),
+    ("[prefill]\nboundaries = []\n", "prefill.boundaries", ["empty array"]),
+    ('[prefill]\nboundaries = [16, "32"]\n', "prefill.boundaries", ["element 1", "string"]),
+    ("[decode]\nbatch_sizes = [1, true]\n", "decode.batch_sizes", ["element 1", "boolean"]),
+    ("[decode]\nbatch_sizes = [1, 2.0]\n", "decode.batch_sizes", ["element 1", "float"]),
+    ("[decode]\nbatch_sizes = [0, 1]\n", "decode.batch_sizes", ["element 0", "positive"]),
+    ("[decode]\nbatch_sizes = [1, 2, 2]\n", "decode.batch_sizes",
+     ["element 2 (2)", "element 1 (2)", "strictly increasing"]),
+    ("[embedding]\nboundaries = [64, 32]\n", "embedding.boundaries",
+     ["element 1 (32)", "strictly increasing"]),
+    # floats
+    ("[scheduler]\nqueue_timeout_s = 0\n", "scheduler.queue_timeout_s", ["> 0"]),
+    ("[scheduler]\nqueue_timeout_s = -1.5\n", "scheduler.queue_timeout_s", ["-1.5", "> 0"]),
+    ("[scheduler]\nqueue_timeout_s = nan\n", "scheduler.queue_timeout_s", ["nan", "finite"]),
+    ("[kv_cache]\ncpu_memory_gib = inf\n", "kv_cache.cpu_memory_gib", ["inf", "finite"]),
+    ('[kv_cache]\ncpu_memory_gib = "2"\n', "kv_cache.cpu_memory_gib", ["string"]),
+    ("[scheduler]\nqueue_timeout_s = true\n", "scheduler.queue_timeout_s", ["boolean"]),
+    ("[embedding]\nmax_queue_delay_ms = -1\n", "embedding.max_queue_delay_ms", [">= 0"]),
+    ("[kv_cache]\ngpu_memory_fraction = 0\n", "kv_cache.gpu_memory_fraction", ["(0, 1]"]),
+    ("[kv_cache]\ngpu_memory_fraction = 1.01\n", "kv_cache.gpu_memory_fraction", ["1.01", "(0, 1]"]),
+    ("[kv_cache]\ngpu_memory_fraction = -0.5\n", "kv_cache.gpu_memory_fraction", ["(0, 1]"]),
+    # policy
+    ('[scheduler]\npolicy = "lifo"\n', "scheduler.policy", ["'lifo'", '"fcfs"', '"priority"']),
+    ('[scheduler]\npolicy = "FCFS"\n', "scheduler.policy", ['did you mean "fcfs"']),
+    ('[scheduler]\npolicy = "priorty"\n', "scheduler.policy", ['did you mean "priority"']),
+    ("[scheduler]\npolicy = 1\n", "scheduler.policy", ["integer", '"fcfs"']),
+    # cross-key: an encoder batch must fit one input of the longest bucket
+    ("[embedding]\nmax_batch_tokens = 256\n", "embedding.max_batch_tokens", ["256", "512"]),
+    ("[embedding]\nboundaries = [512, 16384]\n", "embedding.boundaries", ["8192", "16384"]),
+]
+
+
+@pytest.mark.parametrize(("text", "key", "fragments"), INVALID)
+def test_invalid_value_names_key(tmp_path: Path, text: str, key: str, fragments: list[str]) -> None:
+    path = write(tmp_path, text)
+    err = load_error(path)
+    assert err.key == key
+    assert str(err).startswith(f"{path}: {key}: "), str(err)
+    for fragment in fragments:
+        assert fragment in str(err), (fragment, str(err))
+
+
+def test_config_error_is_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_later_table_error_reports_user_file_not_default(tmp_path: Path) -> None:
+    # A valid key before a bad one: the error still names the user file and the bad key.
+    path = write(tmp_path, "[kv_cache]\nblock_size = 32\n[decode]\nbatch_sizes = [4, 2]\n")
+    assert load_error(path).key == "decode.batch_sizes"
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("[prefill]\nboundaries = [16, 32,,]\n", 2),
+        ("[prefill]\nboundaries = [16, 32\n", None),  # tomllib: "at end of document"
+        ("[scheduler]\nmax_running 4\n", 2),
+        ("[kv_cache]\nblock_size = 16\nblock_size = 32\n", 3),  # duplicate key
+        ("[prefill]\n[prefill]\n", 2),  # duplicate table
+    ],
+)
+def test_toml_syntax_error_gives_position(tmp_path: Path, text: str, line: int | None) -> None:
+    path = write(tmp_path, text)
+    err = load_error(path)
+    assert err.key is None
+    assert "invalid TOML" in str(err)
+    if line is None:
+        assert "end of document" in str(err)
+        return
+    match = re.search(r"line (\d+), column (\d+)", str(err))
+    assert match and int(match.group(1)) == line, str(err)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.toml"
+    err = load_error(path)
+    assert "not found" in str(err) and err.key is None
+
+
+def test_directory_instead_of_file(tmp_path: Path) -> None:
+    err = load_error(tmp_path)
+    assert "directory" in str(err)
+
+
+def test_invalid_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_bytes(b"[scheduler]\npolicy = \"\xff\"\n")
+    err = load_error(path)
+    assert "UTF-8" in str(err)
+
+
+# ------------------------------------------------------------------------ model context check
+def test_user_boundary_over_context_names_both_numbers(tmp_path: Path) -> None:
+    path = write(tmp_path, "[prefill]\nboundaries = [64, 512, 4096]\n")
+    err = load_error(path, max_model_len=2048)
+    assert err.key == "prefill.boundaries"
+    assert "4096" in str(err) and "2048" in str(err)
+    # Same check through check_model after loading without the limit.
+    config = load_buckets(path)
+    with pytest.raises(ConfigError) as info:
+        config.check_model(2048)
+    assert str(info.value) == str(err)
+
+
+def test_user_boundary_equal_to_context_is_fine(tmp_path: Path) -> None:
+    path = write(tmp_path, "[prefill]\nboundaries = [64, 2048]\n")
+    assert load_buckets(path, max_model_len=2048).prefill_boundaries == (64, 2048)
+
+
+def test_default_boundaries_are_cut_to_context() -> None:
+    defaults = DOCUMENTED_DEFAULTS["prefill"]["boundaries"]
+    for limit in (1000, 2048, 8192, 10, 16):
+        config = load_buckets(max_model_len=limit)
+        expected = [b for b in defaults if b < limit] + [limit] if limit < defaults[-1] else defaults
+        assert list(config.prefill_boundaries) == expected, limit
+        assert config.prefill_boundaries[-1] <= limit
+
+
+def test_embedding_max_len(tmp_path: Path) -> None:
+    config = load_buckets().check_model(embedding_max_len=128)
+    assert config.embedding.boundaries == (16, 32, 64, 128)
+    assert config.prefill_boundaries == load_buckets().prefill_boundaries
+    path = write(tmp_path, "[embedding]\nboundaries = [16, 1024]\n")
+    with pytest.raises(ConfigError) as info:
+        load_buckets(path).check_model(embedding_max_len=512)
+    assert info.value.key == "embedding.boundaries"
+    assert "1024" in str(info.value) and "512" in str(info.value)
+
+
+def test_check_model_rejects_bad_limit() -> None:
+    with pytest.raises(ValueError, match="positive integer"):
+        load_buckets().check_model(0)
+    with pytest.raises(ValueError, match="positive integer"):
+        load_buckets(max_model_len=True)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------- CLI
+def test_cli_prints_effective_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "[decode]\nbatch_sizes = [1, 4]\n")
+    assert cli_main(["check", str(path), "--max-model-len", "100"]) == 0
+    printed = tomllib.loads(capsys.readouterr().out)
+    assert printed == load_buckets(path, max_model_len=100).to_dict()
+    assert printed["prefill"]["boundaries"][-1] == 100
+
+
+def test_cli_error_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "[prefill]\nboundaries = [16, 4096]\n")
+    assert cli_main(["check", str(path), "--max-model-len", "2048"]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and "prefill.boundaries" in lines[0] and str(path) in lines[0]
+
+
+def test_cli_as_module(tmp_path: Path) -> None:
+    bad = write(tmp_path, "[scheduler]\npolicy = \"lifo\"\n")
+    run = subprocess.run([sys.executable, "-m", "bucketserve.buckets", "check", str(bad)],
+                         capture_output=True, text=True, check=False)
+    assert run.returncode == 2
+    assert "scheduler.policy" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    ok = subprocess.run([sys.executable, "-m", "bucketserve.buckets", "check"],
+                        capture_output=True, text=True, check=False)
+    assert ok.returncode == 0
+    assert tomllib.loads(ok.stdout) == DOCUMENTED_DEFAULTS
+
+
+# ----------------------------------------------------------------------------- bucket arithmetic
+SPECS = [(16, 32, 64, 128), (1,), (3, 7, 8, 100)]
+
+
+def brute_lookup(bounds: tuple[int, ...], n: int) -> int | None:
+    fits = [b for b in bounds if b >= n]
+    return min(fits) if fits else None
+
+
+@pytest.mark.parametrize("bounds", SPECS)
+def test_lookup_index_padded_len(bounds: tuple[int, ...]) -> None:
+    spec = BucketSpec(bounds)
+    assert len(spec) == len(bounds) and list(spec) == list(bounds) and spec.max_len == bounds[-1]
+    for n in range(0, bounds[-1] + 5):
+        expected = brute_lookup(bounds, n)
+        assert spec.lookup(n) == expected, n
+        if expected is None:
+            assert spec.index(n) is None
+            assert spec.padded_len(n) == n  # above the last bucket: unpadded
+        else:
+            assert bounds[spec.index(n)] == expected
+            assert spec.padded_len(n) == expected >= n
+
+
+@pytest.mark.parametrize("bounds", SPECS)
+def test_profiles_tile_lengths(bounds: tuple[int, ...]) -> None:
+    spec = BucketSpec(bounds)
+    profiles = spec.profiles()
+    assert len(profiles) == len(bounds)
+    assert profiles[0][0] == 1
+    for i, (low, opt, high) in enumerate(profiles):
+        assert (opt, high) == (bounds[i], bounds[i])
+        assert low == (bounds[i - 1] + 1 if i else 1)
+        assert spec.profile(i) == (low, opt, high)
+        # Every length in [low, high] maps to this bucket, and only those.
+        assert all(spec.index(n) == i for n in range(low, high + 1))
+    covered = [n for low, _, high in profiles for n in range(low, high + 1)]
+    assert covered == list(range(1, bounds[-1] + 1))
+    with pytest.raises(IndexError):
+        spec.profile(len(bounds))
+    with pytest.raises(IndexError):
+        spec.profile(-1)
+
+
+@pytest.mark.parametrize("bad", [[], [0, 4], [4, 4], [8, 4], [1, True], [2.0]])
+def test_bucket_spec_rejects_bad_boundaries(bad: list) -> None:
+    with pytest.raises(ValueError):
+        BucketSpec(bad)
+
+
+def test_lookup_rejects_negative_length() -> None:
+    with pytest.raises(ValueError):
+        BucketSpec([4]).lookup(-1)
+
+
+def test_round_up_batch_size() -> None:
+    sizes = tuple(DOCUMENTED_DEFAULTS["decode"]["batch_sizes"])
+    for n in range(1, sizes[-1] + 3):
+        assert round_up_batch_size(n, sizes) == brute_lookup(sizes, n), n
+    assert round_up_batch_size(sizes[-1] + 1, sizes) is None
+    with pytest.raises(ValueError):
+        round_up_batch_size(0, sizes)
+
+
+def test_padding_counter() -> None:
+    counter = PaddingCounter()
+    assert (counter.computed, counter.useful, counter.waste) == (0, 0, 0.0)
+    spec = BucketSpec([16, 32, 64])
+    batches = [[3, 16], [20], [64, 33, 1], [70]]  # 70 is above the last bucket: no padding
+    computed = useful = 0
+    for lengths in batches:
+        padded = spec.padded_len(max(lengths)) * len(lengths)  # pad the batch to its longest
+        counter.add(padded, sum(lengths))
+        computed += padded
+        useful += sum(lengths)
+    assert (counter.computed, counter.useful) == (computed, useful)
+    assert math.isclose(counter.waste, 1 - useful / computed)
+    assert 0 < counter.waste < 1
+    counter.add(10, 10)  # no padding in this batch: waste falls
+    assert counter.waste < 1 - useful / computed
+    with pytest.raises(ValueError):
+        counter.add(4, 5)
+    with pytest.raises(ValueError):
+        counter.add(4, -1)
+    counter.reset()
+    assert (counter.computed, counter.useful, counter.waste) == (0, 0, 0.0)
+
+
+def test_buckets_config_fields() -> None:
+    names = [f.name for f in dataclasses.fields(BucketsConfig)]
+    assert names[:11] == ["prefill_boundaries", "decode_batch_sizes", "max_running",
+                          "max_batched_tokens", "max_waiting", "queue_timeout_s", "policy",
+                          "block_size", "cpu_memory_gib", "gpu_memory_fraction", "embedding"]
