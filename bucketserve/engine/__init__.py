@@ -1,0 +1,1 @@
+"""Engine: request state, paged KV blocks, scheduler, runner, sampler, engine loops."""

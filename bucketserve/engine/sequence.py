@@ -119,6 +119,8 @@ class Sequence:
         self.deadline = None if queue_timeout_s is None else self.arrival_time + queue_timeout_s
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        # the most tokens ever computed: recomputation after a preemption is not useful work
+        self.num_ever_computed = 0
         self.block_table: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0

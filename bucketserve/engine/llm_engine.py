@@ -1,0 +1,196 @@
+"""The synchronous engine: add requests, step, generate.
+
+One step is three calls: `schedule()` picks the work, `runner.run()` computes it and
+samples, `scheduler.update()` advances the sequences; the output processor then turns
+the new tokens into text and applies stop strings.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from bucketserve.buckets import BucketsConfig, BucketSpec, load_buckets
+from bucketserve.engine.block_manager import BlockManager
+from bucketserve.engine.output_processor import OutputProcessor
+from bucketserve.engine.outputs import QueueFullError, RequestOutput
+from bucketserve.engine.runner import ModelRunner, kv_bytes_per_block
+from bucketserve.engine.sampler import Sampler
+from bucketserve.engine.scheduler import Scheduler
+from bucketserve.engine.sequence import FinishReason, SamplingParams, Sequence
+from bucketserve.engine.stats import EngineStats, StepStats
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; `param` names the offending field."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class LLMEngine:
+    def __init__(self, loaded, buckets: BucketsConfig, device: str | torch.device = "cpu",
+                 num_blocks: int | None = None) -> None:
+        """`loaded` is a models.LoadedModel; `num_blocks` overrides the KV budget (tests)."""
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.max_model_len = loaded.max_model_len
+        self.buckets = buckets
+        self.device = torch.device(device)
+        cfg = loaded.config
+        dtype = next(loaded.model.parameters()).dtype
+        per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                       buckets.block_size, dtype)
+        if num_blocks is None:
+            num_blocks = self._budget_blocks(per_block)
+        self.block_manager = BlockManager(num_blocks, buckets.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            prefill_buckets=BucketSpec(buckets.prefill_boundaries),
+            decode_buckets=BucketSpec(buckets.decode_batch_sizes),
+            max_running=buckets.max_running,
+            max_batched_tokens=buckets.max_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            policy=buckets.policy,
+        )
+        sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                  num_blocks, buckets.block_size, self.device, dtype, sampler)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+        self.stats.kv_blocks_total = self.block_manager.num_usable_blocks
+        self._seqs: dict[str, Sequence] = {}
+
+    @classmethod
+    def from_names(cls, model: str = "smollm2-135m-instruct", buckets_path: str | None = None,
+                   device: str = "cpu", dtype: torch.dtype | None = None) -> LLMEngine:
+        from bucketserve.models import load_model
+
+        dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+        loaded = load_model(model, device=device, dtype=dtype)
+        buckets = load_buckets(buckets_path, max_model_len=loaded.max_model_len)
+        return cls(loaded, buckets, device)
+
+    def _budget_blocks(self, per_block: int) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1.0 - self.buckets.gpu_memory_fraction) * total
+        else:
+            budget = self.buckets.cpu_memory_gib * 2**30
+        # No point in more blocks than the running sequences can ever fill.
+        useful = self.buckets.max_running * -(-self.max_model_len // self.buckets.block_size) + 1
+        return max(2, min(int(budget // per_block), useful))
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestError for a request that can never run."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("prompt", "the prompt is empty: send at least one token")
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                "max_tokens",
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{n} tokens and max_tokens is {params.max_tokens} ({n + params.max_tokens} in all). "
+                "Shorten the prompt or lower max_tokens.")
+        need = self.block_manager.blocks_for(n + params.max_tokens)
+        if need > self.block_manager.num_usable_blocks:
+            raise RequestError(
+                "max_tokens",
+                f"the request needs {need} KV blocks but the pool holds "
+                f"{self.block_manager.num_usable_blocks}; lower max_tokens or raise the KV budget "
+                "(kv_cache.cpu_memory_gib / gpu_memory_fraction)")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> Sequence:
+        self.validate(prompt_token_ids, params)
+        if self.scheduler.num_waiting >= self.buckets.max_waiting:
+            raise QueueFullError(f"{self.scheduler.num_waiting} requests are already waiting")
+        seq = Sequence(prompt_token_ids, params, request_id=request_id, priority=priority,
+                       arrival_time=arrival_time, queue_timeout_s=self.buckets.queue_timeout_s)
+        if seq.request_id in self._seqs:
+            raise RequestError("request_id", f"request id {seq.request_id!r} is already in use")
+        self.add_sequence(seq)
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queues a sequence already checked by `validate` (used by the async front)."""
+        self._seqs[seq.request_id] = seq
+        self.outputs.add(seq)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Takes effect at the next step boundary."""
+        if request_id in self._seqs:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        results = [self._finish_output(seq) for seq in batch.finished]
+        if batch.is_empty:
+            self.stats.set_queue(self.scheduler.num_waiting, self.scheduler.num_running,
+                                 self.block_manager.num_used_blocks)
+            return results
+        out = self.runner.run(batch)
+        self.scheduler.update(batch, out.sampled)
+        for seq, token, lp in zip(batch.seqs, out.sampled, out.logprobs, strict=True):
+            if token is None:
+                continue
+            if self.outputs.on_token(seq, token, lp) and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP)
+            results.append(self._finish_output(seq) if seq.is_finished else self.outputs.output(seq))
+        self.stats.record(StepStats(
+            kind=batch.kind, bucket=batch.bucket, num_seqs=len(batch.seqs),
+            num_prefill_seqs=len(batch.seqs) - batch.num_decodes, num_decode_seqs=batch.num_decodes,
+            computed_tokens=batch.num_tokens, useful_tokens=batch.useful_tokens,
+            kv_blocks_used=self.block_manager.num_used_blocks,
+            kv_blocks_total=self.block_manager.num_usable_blocks,
+            num_preemptions=batch.num_preemptions, num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running, step_time_s=time.perf_counter() - t0))
+        return results
+
+    def _finish_output(self, seq: Sequence) -> RequestOutput:
+        self._seqs.pop(seq.request_id, None)
+        self.stats.record_finished(seq.finish_reason.value)
+        return self.outputs.output(seq)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 priorities: list[int] | None = None) -> list[RequestOutput]:
+        """Runs the prompts to completion; one final output per prompt, in order.
+
+        Each output carries the whole text and token ids of its request."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+            seq = self.add_request(prompt, p, priority=priorities[i] if priorities else 0)
+            ids.append(seq.request_id)
+        final: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.request_id in logprobs:
+                    logprobs[o.request_id].extend(o.new_logprobs)
+                if o.finished:
+                    final[o.request_id] = o
+        for rid in ids:
+            final[rid].new_logprobs = logprobs[rid]
+        return [final[rid] for rid in ids]

@@ -1,0 +1,93 @@
+"""Turns sampled tokens into what a client sees: incremental text, stop strings, logprobs."""
+
+from __future__ import annotations
+
+import time
+
+from bucketserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from bucketserve.engine.outputs import RequestOutput
+from bucketserve.engine.sequence import FinishReason, Sequence, TokenLogprob
+
+
+class RequestState:
+    """Text-side state of one request: its detokenizer, stop matcher and emitted text."""
+
+    def __init__(self, seq: Sequence, tokenizer) -> None:
+        self.seq = seq
+        self.detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids,
+                                            skip_special_tokens=seq.params.skip_special_tokens)
+        self.stops = StopStringMatcher(seq.params.stop) if seq.params.stop else None
+        self.text = ""
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
+        self.stop_matched = False
+
+    def new_text(self, token_id: int) -> str:
+        """Text that the new token completes, with any stop string held back or cut."""
+        text = self.detok.step([token_id])
+        if self.stops is None or self.stop_matched:
+            return text
+        emit, matched = self.stops.feed(text)
+        self.stop_matched = matched
+        return emit
+
+    def flush(self) -> str:
+        """At the end of a sequence, text held back as a possible stop-string prefix."""
+        if self.stops is None or self.stop_matched:
+            return ""
+        return self.stops.flush()
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add(self, seq: Sequence) -> None:
+        self.states[seq.request_id] = RequestState(seq, self.tokenizer)
+
+    def on_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> bool:
+        """Records one sampled token; True when a stop string ends the sequence."""
+        state = self.states[seq.request_id]
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        state.text += state.new_text(token_id)
+        return state.stop_matched
+
+    def output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
+        """The delta since the last output of this request; drops the state once finished."""
+        state = self.states[seq.request_id]
+        if seq.is_finished:
+            state.text += state.flush()
+            del self.states[seq.request_id]
+        old_len = state.num_sent_chars
+        new_tokens = seq.output_token_ids[state.num_sent_tokens :]
+        new_lps = seq.logprobs[state.num_sent_tokens :] if seq.params.logprobs is not None else []
+        state.num_sent_tokens = seq.num_output_tokens
+        state.num_sent_chars = len(state.text)
+        reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        if error is None and seq.finish_reason is FinishReason.TIMEOUT:
+            error = "the request waited in the queue longer than the queue timeout"
+        now = time.monotonic()
+        metrics = {"arrival": seq.arrival_time}
+        for key, value in (("first_scheduled", seq.first_scheduled_time),
+                           ("first_token", seq.first_token_time),
+                           ("finished", now if seq.is_finished else None)):
+            if value is not None:
+                metrics[key] = value
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_tokens,
+            new_text=state.text[old_len:],
+            text=state.text,
+            token_ids=seq.output_token_ids,
+            finished=seq.is_finished,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            new_logprobs=list(new_lps),
+            error=error,
+            metrics=metrics,
+        )

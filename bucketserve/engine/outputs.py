@@ -1,0 +1,27 @@
+"""What the engine hands back each step, per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bucketserve.engine.sequence import TokenLogprob
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting`: the caller should retry later."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    text: str  # all text emitted so far
+    token_ids: list[int]  # all output token ids so far
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "timeout"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_scheduled, first_token, finished (monotonic s)

@@ -1,0 +1,249 @@
+"""Iteration-level scheduler: decides, every model step, which tokens of which sequences run.
+
+Policy (one `schedule()` call = one step):
+
+1. Housekeeping. Cancelled requests (``abort``) and waiting requests past their queue
+   deadline leave here, at the step boundary, and give their blocks back.
+2. Running sequences go first, in admission order (priority, then arrival). A decoding
+   sequence needs one token; one still in its prompt (chunked prefill) needs the rest of
+   it, cut to the step's token budget (``max_batched_tokens``). If the pool has no block
+   for it, the lowest-ranked running sequence (highest priority value, newest arrival) is
+   preempted by recompute: its blocks are freed, its computed count drops to 0 and it
+   goes back to the waiting queue with its generated tokens kept; when readmitted, prompt
+   and generated tokens are recomputed in one prefill, so its output is unchanged.
+3. Waiting sequences are admitted by (priority, arrival) while the token budget, the
+   running limit (``max_running``) and the free blocks allow. Prompts are grouped by
+   length bucket: the first admitted prompt fixes the step's bucket and later candidates
+   of another bucket wait for a later step (the queue head is always admitted first, so
+   no one starves). A prompt longer than the remaining budget is admitted with a chunk of
+   the budget and continues in later steps (chunked prefill). No admission happens in a
+   step that had to preempt: the pool is the bottleneck then.
+4. Under ``policy = "fcfs"`` the request priority is ignored: arrival order alone.
+
+The scheduler never touches tensors. `update()` appends the sampled tokens, applies the
+token-level stops (EOS unless ignore_eos after min_tokens, stop token ids, max_tokens, the
+model's context length) and frees finished sequences' blocks in the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from bucketserve.buckets import BucketSpec
+from bucketserve.engine.block_manager import BlockManager
+from bucketserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work. Sequences with one new token come first (decodes), then prefills."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    num_decodes: int
+    kind: str  # "prefill" | "decode" | "mixed"
+    bucket: int
+    num_preemptions: int
+    useful_tokens: int
+    finished: list[Sequence] = field(default_factory=list)  # left at the step boundary (abort, timeout)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        prefill_buckets: BucketSpec,
+        decode_buckets: BucketSpec,
+        max_running: int,
+        max_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: set[int],
+        policy: str = "priority",
+    ) -> None:
+        self.blocks = block_manager
+        self.prefill_buckets = prefill_buckets
+        self.decode_buckets = decode_buckets
+        self.max_running = max_running
+        self.max_batched_tokens = max_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.use_priority = policy == "priority"
+        self.waiting: list[Sequence] = []  # kept sorted by rank
+        self.running: list[Sequence] = []  # kept sorted by rank
+        self._aborted: set[str] = set()
+
+    # ---- queue -------------------------------------------------------------------------
+
+    def rank(self, seq: Sequence) -> tuple:
+        return seq.sort_key() if self.use_priority else seq.sort_key()[1:]
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self.waiting.sort(key=self.rank)
+
+    def abort(self, request_id: str) -> None:
+        """Marks a request for removal at the next step boundary."""
+        self._aborted.add(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._aborted)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Ends a sequence now and gives its blocks back."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        left = self._drop_aborted_and_expired()
+        budget = self.max_batched_tokens
+        chosen: dict[int, int] = {}  # id(seq) -> new tokens
+        preempted = 0
+
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.can_allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                budget += chosen.pop(id(victim), 0)
+                preempted += 1
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.blocks.allocate(seq, n)
+            chosen[id(seq)] = n
+            budget -= n
+
+        if not preempted:
+            budget = self._admit(chosen, budget)
+
+        return self._build_batch(chosen, preempted, left)
+
+    def _drop_aborted_and_expired(self) -> list[Sequence]:
+        left: list[Sequence] = []
+        if self._aborted:
+            for seq in self.running + self.waiting:
+                if seq.request_id in self._aborted:
+                    self.finish(seq, FinishReason.ABORT)
+                    left.append(seq)
+            self._aborted.clear()
+        now = time.monotonic()
+        for seq in list(self.waiting):
+            if seq.deadline is not None and now > seq.deadline and seq.first_scheduled_time is None:
+                self.finish(seq, FinishReason.TIMEOUT)
+                left.append(seq)
+        return left
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.add(seq)
+
+    def _admit(self, chosen: dict[int, int], budget: int) -> int:
+        bucket: int | None = None
+        admitted: list[Sequence] = []
+        for seq in self.waiting:
+            if budget == 0 or len(self.running) + len(admitted) >= self.max_running:
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            seq_bucket = self.prefill_buckets.lookup(n) or self.prefill_buckets.boundaries[-1]
+            if bucket is not None and seq_bucket != bucket:
+                continue
+            if not self.blocks.can_allocate(seq, n):
+                break  # admission keeps rank order: nobody jumps a head that does not fit
+            self.blocks.allocate(seq, n)
+            chosen[id(seq)] = n
+            budget -= n
+            bucket = seq_bucket
+            admitted.append(seq)
+        now = time.monotonic()
+        for seq in admitted:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+        if admitted:
+            self.running.sort(key=self.rank)
+        return budget
+
+    def _build_batch(self, chosen: dict[int, int], preempted: int, left: list[Sequence]) -> ScheduledBatch:
+        work = [(seq, chosen[id(seq)]) for seq in self.running if id(seq) in chosen]
+        decodes = [(s, n) for s, n in work if n == 1]
+        prefills = [(s, n) for s, n in work if n > 1]
+        ordered = decodes + prefills
+        seqs = [s for s, _ in ordered]
+        num_new = [n for _, n in ordered]
+        # A token is useful the first time its K/V is computed; recomputation after a
+        # preemption is work done twice.
+        useful = sum(max(0, s.num_computed_tokens + n - s.num_ever_computed) for s, n in ordered)
+        if prefills:
+            longest = max(n for _, n in prefills)
+            bucket = self.prefill_buckets.lookup(longest) or longest
+            kind = "mixed" if decodes else "prefill"
+        else:
+            bucket = self.decode_buckets.lookup(len(decodes)) or len(decodes)
+            kind = "decode"
+        return ScheduledBatch(seqs, num_new, len(decodes), kind, bucket, preempted, useful, left)
+
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Advances the sequences of `batch`; `sampled[i]` is the new token of
+        batch.seqs[i] (None when it is still in its prompt). Returns those that finished."""
+        finished: list[Sequence] = []
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens += n
+            seq.num_ever_computed = max(seq.num_ever_computed, seq.num_computed_tokens)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            reason = self._token_stop(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _token_stop(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return FinishReason.STOP
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

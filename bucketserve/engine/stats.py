@@ -1,0 +1,85 @@
+"""Per-step statistics, kept in memory and read by the server's /metrics."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepStats:
+    kind: str  # "prefill", "decode" or "mixed"
+    bucket: int  # prefill: length bucket of the longest chunk; decode: decode batch bucket
+    num_seqs: int
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    computed_tokens: int  # tokens run through the model, padding and recomputation included
+    useful_tokens: int  # tokens whose K/V was computed for the first time
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    num_waiting: int
+    num_running: int
+    step_time_s: float
+
+
+class EngineStats:
+    """Running totals plus the most recent steps. Written by the engine thread, read by
+    any thread (a lock guards the counters)."""
+
+    def __init__(self, history: int = 1024) -> None:
+        self._lock = threading.Lock()
+        self.recent: deque[StepStats] = deque(maxlen=history)
+        self.num_steps = 0
+        self.preemptions_total = 0
+        self.computed_tokens_total = 0
+        self.useful_tokens_total = 0
+        self.bucket_steps: Counter[tuple[str, int]] = Counter()
+        self.finished: Counter[str] = Counter()
+        self.num_waiting = 0
+        self.num_running = 0
+        self.kv_blocks_used = 0
+        self.kv_blocks_total = 0
+
+    def record(self, s: StepStats) -> None:
+        with self._lock:
+            self.recent.append(s)
+            self.num_steps += 1
+            self.preemptions_total += s.num_preemptions
+            self.computed_tokens_total += s.computed_tokens
+            self.useful_tokens_total += s.useful_tokens
+            self.bucket_steps[(s.kind, s.bucket)] += 1
+            self.num_waiting, self.num_running = s.num_waiting, s.num_running
+            self.kv_blocks_used, self.kv_blocks_total = s.kv_blocks_used, s.kv_blocks_total
+
+    def record_finished(self, reason: str) -> None:
+        with self._lock:
+            self.finished[reason] += 1
+
+    def set_queue(self, num_waiting: int, num_running: int, kv_blocks_used: int) -> None:
+        with self._lock:
+            self.num_waiting, self.num_running = num_waiting, num_running
+            self.kv_blocks_used = kv_blocks_used
+
+    @property
+    def padding_waste(self) -> float:
+        """1 - useful / computed over the whole run (0 before any step)."""
+        if not self.computed_tokens_total:
+            return 0.0
+        return 1.0 - self.useful_tokens_total / self.computed_tokens_total
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "num_steps": self.num_steps,
+                "preemptions_total": self.preemptions_total,
+                "computed_tokens_total": self.computed_tokens_total,
+                "useful_tokens_total": self.useful_tokens_total,
+                "bucket_steps": dict(self.bucket_steps),
+                "finished": dict(self.finished),
+                "num_waiting": self.num_waiting,
+                "num_running": self.num_running,
+                "kv_blocks_used": self.kv_blocks_used,
+                "kv_blocks_total": self.kv_blocks_total,
+            }

@@ -1,0 +1,40 @@
+"""Small builders for CPU-only engine tests."""
+
+from __future__ import annotations
+
+from bucketserve.buckets import BucketSpec
+from bucketserve.engine.block_manager import BlockManager
+from bucketserve.engine.scheduler import Scheduler
+from bucketserve.engine.sequence import SamplingParams, Sequence
+
+EOS = 2
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_running: int = 8,
+                   max_batched_tokens: int = 64, max_model_len: int = 1024,
+                   policy: str = "priority",
+                   boundaries: tuple[int, ...] = (8, 16, 32, 64)) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), BucketSpec(boundaries),
+                     BucketSpec((1, 2, 4, 8)), max_running, max_batched_tokens, max_model_len,
+                     eos_token_ids={EOS}, policy=policy)
+
+
+def make_requests(n: int, prompt_len: int = 8, max_tokens: int = 4, priority: int = 0,
+                  **params) -> list[Sequence]:
+    return [Sequence([10 + (i + j) % 50 for j in range(prompt_len)],
+                     SamplingParams(max_tokens=max_tokens, **params), priority=priority)
+            for i in range(n)]
+
+
+def run_to_end(sched: Scheduler, token: int = 7, max_steps: int = 10_000) -> list:
+    """Steps with a fake model that always samples `token`; returns the batches."""
+    batches = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return batches
+        batch = sched.schedule()
+        batches.append(batch)
+        sampled = [token if s.num_computed_tokens + n == s.num_tokens else None
+                   for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
+        sched.update(batch, sampled)
+    raise AssertionError("scheduler did not finish")

@@ -1,0 +1,116 @@
+import time
+
+from factories import make_requests, make_scheduler, run_to_end
+
+from bucketserve.engine.sequence import FinishReason, SequenceStatus
+
+
+def test_all_finish_and_pool_returns_to_initial():
+    sched = make_scheduler()
+    initial = sched.blocks.num_free_blocks
+    seqs = make_requests(5, prompt_len=7, max_tokens=5)
+    for s in seqs:
+        sched.add(s)
+    run_to_end(sched)
+    assert all(s.finish_reason is FinishReason.LENGTH and s.num_output_tokens == 5 for s in seqs)
+    assert sched.blocks.num_free_blocks == initial
+
+
+def test_decodes_come_first_and_budget_is_respected():
+    sched = make_scheduler(max_batched_tokens=20)
+    for s in make_requests(4, prompt_len=8, max_tokens=3):
+        sched.add(s)
+    for batch in run_to_end(sched):
+        assert batch.num_tokens <= 20
+        assert all(n == 1 for n in batch.num_new_tokens[: batch.num_decodes])
+        assert all(n > 1 for n in batch.num_new_tokens[batch.num_decodes:])
+
+
+def test_long_prompt_is_prefilled_in_chunks():
+    sched = make_scheduler(max_batched_tokens=16, boundaries=(16, 32, 64))
+    (seq,) = make_requests(1, prompt_len=40, max_tokens=2)
+    sched.add(seq)
+    batches = run_to_end(sched)
+    assert [b.num_new_tokens[0] for b in batches[:3]] == [16, 16, 8]
+    assert seq.num_output_tokens == 2
+
+
+def test_prompts_grouped_by_bucket():
+    sched = make_scheduler(max_batched_tokens=200, boundaries=(8, 16, 32, 64))
+    short = make_requests(2, prompt_len=6)
+    long = make_requests(2, prompt_len=30)
+    for s in (short[0], long[0], short[1], long[1]):
+        sched.add(s)
+    first = sched.schedule()
+    assert set(first.seqs) == set(short) and first.bucket == 8
+
+
+def test_preemption_by_recompute_keeps_generated_tokens():
+    # 7 usable blocks of 4 tokens; two sequences growing to 16 tokens need 8 blocks.
+    sched = make_scheduler(num_blocks=8, block_size=4, max_batched_tokens=64)
+    seqs = make_requests(2, prompt_len=8, max_tokens=8)
+    for s in seqs:
+        sched.add(s)
+    batches = run_to_end(sched)
+    assert sum(b.num_preemptions for b in batches) > 0
+    assert all(s.num_output_tokens == 8 and s.output_token_ids == [7] * 8 for s in seqs)
+    assert any(s.num_preemptions > 0 for s in seqs)
+    # recomputed tokens count as computed, not useful
+    assert sum(b.num_tokens for b in batches) > sum(b.useful_tokens for b in batches)
+    assert sum(b.useful_tokens for b in batches) == sum(s.num_tokens - 1 for s in seqs)
+    assert sched.blocks.num_free_blocks == 7
+
+
+def test_priority_orders_admission():
+    sched = make_scheduler(max_running=1)
+    low, high = make_requests(1, priority=5)[0], make_requests(1, priority=-1)[0]
+    sched.add(low)
+    sched.add(high)
+    assert sched.schedule().seqs == [high]
+
+
+def test_fcfs_ignores_priority():
+    sched = make_scheduler(max_running=1, policy="fcfs")
+    low, high = make_requests(1, priority=5)[0], make_requests(1, priority=-1)[0]
+    sched.add(low)
+    sched.add(high)
+    assert sched.schedule().seqs == [low]
+
+
+def test_abort_takes_effect_at_next_step_and_frees_blocks():
+    sched = make_scheduler()
+    initial = sched.blocks.num_free_blocks
+    a, b = make_requests(2, max_tokens=50)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    sched.update(batch, [7, 7])
+    sched.abort(a.request_id)
+    assert a.status is SequenceStatus.RUNNING  # not before the step boundary
+    batch = sched.schedule()
+    assert a.finish_reason is FinishReason.ABORT and batch.finished == [a]
+    assert batch.seqs == [b]
+    sched.abort(b.request_id)
+    sched.schedule()
+    assert sched.blocks.num_free_blocks == initial
+
+
+def test_queue_timeout_drops_waiting_request():
+    sched = make_scheduler(max_running=1)
+    a, b = make_requests(2, max_tokens=50)
+    b.deadline = time.monotonic() - 1
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert b.finish_reason is FinishReason.TIMEOUT and batch.finished == [b]
+
+
+def test_eos_stops_only_after_min_tokens_and_not_with_ignore_eos():
+    sched = make_scheduler()
+    (a,) = make_requests(1, max_tokens=10, min_tokens=3)
+    (b,) = make_requests(1, max_tokens=4, ignore_eos=True)
+    sched.add(a)
+    sched.add(b)
+    run_to_end(sched, token=2)  # the fake model always says EOS
+    assert a.finish_reason is FinishReason.STOP and a.num_output_tokens == 3
+    assert b.finish_reason is FinishReason.LENGTH and b.num_output_tokens == 4
