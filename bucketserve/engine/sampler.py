@@ -1,0 +1,209 @@
+"""Token selection: logits [B, V] + the batch's sequences -> one next token per row.
+
+Order of operations for a row (each step only touches the rows that need it):
+  1. min_tokens: while fewer than `min_tokens` tokens were generated, EOS (unless ignore_eos)
+     and `stop_token_ids` get -inf.
+  2. repetition penalty (HF semantics, over prompt + output tokens): a seen token's logit is
+     divided by the penalty when positive and multiplied by it when negative.
+  3. frequency / presence penalties (OpenAI semantics, over output tokens only):
+     logit -= frequency_penalty * count + presence_penalty * (count > 0).
+  4. greedy rows (temperature ~ 0): torch.argmax of the processed logits (first index on ties).
+  5. sampled rows: logits / temperature, sort descending (stable), top-k, top-p (keep the
+     smallest prefix whose probability mass reaches top_p), min-p (keep probs >= min_p * max
+     prob), then inverse-CDF sampling with one uniform number per row.
+
+Randomness: a row whose sequence has `seq.generator` (params.seed set) draws its uniform from
+that generator only, so a seeded request gives the same tokens whatever its batch mates or row
+position; other rows draw from the sampler's shared generator. Uniforms are drawn on the CPU
+(where the generators live) and moved to the logits' device.
+
+Logprobs (params.logprobs = n): log_softmax of the RAW model logits, before min_tokens masking,
+penalties and temperature: the model's own distribution, as OpenAI-style APIs report it. The
+chosen token's logprob plus the n most likely tokens (best first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from bucketserve.engine.sequence import Sequence, TokenLogprob
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprob | None]  # per row; None where the request asked for none
+
+
+def _has_penalty(seq: Sequence) -> bool:
+    p = seq.params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _min_tokens_active(seq: Sequence) -> bool:
+    return seq.num_output_tokens < seq.params.min_tokens
+
+
+def _counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Token occurrence counts [len(id_lists), vocab] float32, via one scatter_add.
+
+    Lists are right-padded with the id `vocab` (an extra column, dropped afterwards)."""
+    width = max((len(ids) for ids in id_lists), default=0)
+    padded = torch.full((len(id_lists), width + 1), vocab, dtype=torch.long)
+    for r, ids in enumerate(id_lists):
+        if ids:
+            padded[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    padded = padded.to(device)
+    counts = torch.zeros(len(id_lists), vocab + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+class Sampler:
+    """Callable: Sampler(eos_token_ids)(logits [B, V], seqs) -> SamplerOutput."""
+
+    def __init__(self, eos_token_ids: Iterable[int] = (), seed: int | None = None) -> None:
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.generator = torch.Generator()  # CPU; shared by rows without their own seed
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab], got {tuple(logits.shape)}")
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+
+        # Common case: plain greedy everywhere -> one argmax, nothing else.
+        if all(
+            s.params.greedy and s.params.logprobs is None and not _has_penalty(s)
+            and not _min_tokens_active(s)
+            for s in seqs
+        ):
+            return SamplerOutput(torch.argmax(logits, dim=-1).tolist(), [None] * len(seqs))
+
+        raw = logits
+        logits = self.process_logits(logits, seqs)
+        tokens = torch.argmax(logits, dim=-1)  # [B]; right for greedy rows, others overwritten
+        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sampled_rows:
+            tokens[sampled_rows] = self._sample(logits[sampled_rows], [seqs[i] for i in sampled_rows])
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(raw, seqs, token_ids))
+
+    # -- logit processing -------------------------------------------------------------------
+
+    def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Steps 1-3 above (min_tokens masking, penalties) -> a new [B, V] tensor; input untouched."""
+        logits = logits.clone()
+        vocab, device = logits.shape[1], logits.device
+
+        # min_tokens: gather (row, token) pairs to ban, one index_put for the batch.
+        ban_rows: list[int] = []
+        ban_cols: list[int] = []
+        for i, s in enumerate(seqs):
+            if _min_tokens_active(s):
+                banned = set(s.params.stop_token_ids)
+                if not s.params.ignore_eos:
+                    banned.update(self.eos_token_ids)
+                banned = {t for t in banned if 0 <= t < vocab}
+                ban_rows += [i] * len(banned)
+                ban_cols += sorted(banned)
+        if ban_rows:
+            logits[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = (
+                float("-inf"))
+
+        rep_rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+        if rep_rows:
+            # seen [R, V]: token occurs in prompt or output.
+            seen = _counts([seqs[i].token_ids for i in rep_rows], vocab, device) > 0
+            pen = torch.tensor([seqs[i].params.repetition_penalty for i in rep_rows],
+                               dtype=torch.float32, device=device).unsqueeze(1)  # [R, 1]
+            sub = logits[rep_rows]
+            penalised = torch.where(sub > 0, sub / pen, sub * pen)
+            logits[rep_rows] = torch.where(seen, penalised, sub)
+
+        of_rows = [i for i, s in enumerate(seqs)
+                   if s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0]
+        if of_rows:
+            counts = _counts([seqs[i].output_token_ids for i in of_rows], vocab, device)  # [R, V]
+            freq = torch.tensor([seqs[i].params.frequency_penalty for i in of_rows],
+                                dtype=torch.float32, device=device).unsqueeze(1)
+            pres = torch.tensor([seqs[i].params.presence_penalty for i in of_rows],
+                                dtype=torch.float32, device=device).unsqueeze(1)
+            logits[of_rows] -= freq * counts + pres * (counts > 0).float()
+        return logits
+
+    # -- sampling -----------------------------------------------------------------------------
+
+    def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One U[0, 1) per row [R]; seeded rows from their own generator, in row order."""
+        u = torch.empty(len(seqs), dtype=torch.float64)
+        shared = [i for i, s in enumerate(seqs) if s.generator is None]
+        if shared:
+            u[shared] = torch.rand(len(shared), generator=self.generator, dtype=torch.float64)
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                u[i] = torch.rand(1, generator=s.generator, dtype=torch.float64)
+        return u
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits [R, V] (processed) -> sampled token ids [R] long, same device."""
+        rows, vocab = logits.shape
+        device = logits.device
+        params = [s.params for s in seqs]
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+
+        # Stable sort: among equal logits the lower id comes first, so top_k=1 == argmax.
+        sorted_logits, sorted_ids = torch.sort(logits / temp.unsqueeze(1), dim=-1,
+                                               descending=True, stable=True)  # [R, V] each
+        positions = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
+        sorted_logits = sorted_logits.masked_fill(positions >= top_k.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)  # [R, V], descending
+
+        # top-p: drop a token when the mass strictly ahead of it already reaches top_p.
+        # Rows with top_p == 1 skip this (rounding could otherwise cut the far tail).
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p.unsqueeze(1) < 1.0)
+        # min-p: relative to the most likely token (position 0); renormalising does not matter.
+        drop |= probs < (min_p * probs[:, 0]).unsqueeze(1)
+        probs = probs.masked_fill(drop, 0.0)
+
+        # Kept tokens form a prefix of the sorted order; sample by inverse CDF over it.
+        cdf = torch.cumsum(probs, dim=-1)  # [R, V]
+        target = self._uniforms(seqs).to(device=device, dtype=torch.float32) * cdf[:, -1]
+        pick = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)  # [R]
+        last_kept = ((probs > 0).sum(dim=-1) - 1).clamp(min=0)  # guards u * total rounding up
+        pick = torch.minimum(pick, last_kept)
+        return sorted_ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+
+    # -- logprobs -----------------------------------------------------------------------------
+
+    def _logprobs(self, raw: torch.Tensor, seqs: list[Sequence],
+                  token_ids: list[int]) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not rows:
+            return out
+        lp = torch.log_softmax(raw[rows], dim=-1)  # [R, V]
+        chosen = lp.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=lp.device))
+        chosen_list = chosen.squeeze(1).tolist()
+        n_max = max(seqs[i].params.logprobs for i in rows)
+        top_vals: list[list[float]] = [[] for _ in rows]
+        top_ids: list[list[int]] = [[] for _ in rows]
+        if n_max > 0:
+            vals, ids = torch.topk(lp, n_max, dim=-1)  # sorted, best first
+            top_vals, top_ids = vals.tolist(), ids.tolist()
+        for r, i in enumerate(rows):
+            n = seqs[i].params.logprobs
+            top = list(zip(top_ids[r][:n], top_vals[r][:n], strict=True)) if n else []
+            out[i] = TokenLogprob(token_ids[i], chosen_list[r], top)
+        return out
