@@ -1,0 +1,136 @@
+"""The FastAPI app: routes, auth, body limit, lifespan (engine start / bounded shutdown)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from bucketserve.server.chat import create_chat_completion
+from bucketserve.server.completions import create_completion
+from bucketserve.server.context import ServerContext
+from bucketserve.server.errors import (
+    APIError,
+    BodySizeLimitMiddleware,
+    install_exception_handlers,
+    overloaded,
+)
+from bucketserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+
+log = logging.getLogger("bucketserve.server")
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+ENGINE_STOP_S = 5.0  # what engine.shutdown gets once the HTTP side has drained
+
+
+class AddOn(Protocol):
+    """A router served next to the generation API (the embeddings service implements it)."""
+
+    router: APIRouter
+    model_name: str
+
+    async def start(self) -> None: ...
+    async def shutdown(self, timeout_s: float) -> None: ...
+
+
+class ApiKeyMiddleware:
+    """Every /v1 route needs `Authorization: Bearer <key>` when a key is configured."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope.get("headers", [])).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               "authentication_error", None, "invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def begin_drain(ctx: ServerContext) -> None:
+    """Called on SIGTERM/SIGINT: refuse new work, abort what is still running after the
+    shutdown timeout (those clients get a 503 / an error event, not silence)."""
+    if ctx.inflight.draining:
+        return
+    ctx.inflight.draining = True
+    log.info("shutting down: %d engine request(s) in flight get %.1f s to finish",
+             len(ctx.inflight.request_ids), ctx.shutdown_timeout_s)
+    asyncio.get_running_loop().call_later(ctx.shutdown_timeout_s, ctx.inflight.abort_all, ctx.engine)
+
+
+def create_app(ctx: ServerContext, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               add_ons: list[AddOn] | None = None) -> FastAPI:
+    add_ons = add_ons or []
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not ctx.engine.is_alive():
+            ctx.engine.start()
+        for add_on in add_ons:
+            await add_on.start()
+        yield
+        for add_on in add_ons:
+            await add_on.shutdown(ENGINE_STOP_S)
+        await ctx.engine.shutdown(ENGINE_STOP_S)
+        log.info("engine stopped")
+
+    app = FastAPI(title="bucketserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    install_exception_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    def refuse_while_draining() -> None:
+        if ctx.inflight.draining:
+            raise overloaded("the server is shutting down; retry later", "shutting_down")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if ctx.engine.is_alive() and not ctx.inflight.draining:
+            return JSONResponse({"status": "ok"})
+        state = "draining" if ctx.inflight.draining else "engine loop not running"
+        return JSONResponse({"status": state}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        cards = [ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)]
+        cards += [ModelCard(id=a.model_name) for a in add_ons]
+        return ModelList(data=cards)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        refuse_while_draining()
+        return await create_completion(body, request, ctx)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        refuse_while_draining()
+        return await create_chat_completion(body, request, ctx)
+
+    for add_on in add_ons:
+        app.include_router(add_on.router)
+    return app

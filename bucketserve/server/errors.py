@@ -1,0 +1,171 @@
+"""OpenAI-style error bodies and the handlers that guarantee every failure gets one.
+
+Body: {"error": {"message": str, "type": str, "param": str | None, "code": str | int | None}}.
+Client mistakes are 4xx with type "invalid_request_error"; overload is 503 with Retry-After;
+anything unexpected is logged with its traceback and answered 500, the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("bucketserve.server")
+
+RETRY_AFTER_S = 1  # what a 503 tells the client to wait before retrying
+
+
+class APIError(Exception):
+    """Raised anywhere in a handler; turned into an OpenAI error response."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def overloaded(message: str, code: str) -> APIError:
+    return APIError(503, message, "server_overloaded", None, code,
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable line from pydantic's error list, and the offending top-level field."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return f"request body is not valid JSON ({detail})", None
+    if first.get("type") == "missing" and not loc:
+        return "request body is missing; send a JSON object", None
+    where = ".".join(loc)
+    msg = first.get("msg", "invalid value")
+    if where:
+        msg = f"{where}: {msg}"
+    if "input" in first and first.get("type") != "missing":
+        shown = json.dumps(first["input"], default=str)
+        if len(shown) <= 80:
+            msg += f" (got {shown})"
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more problem(s))"
+    return msg, (loc[0] if loc else None)
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return invalid_request(message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see GET /v1/models"
+        elif exc.status_code == 405:
+            message = f"method {request.method} not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        err = APIError(exc.status_code, message, "invalid_request_error",
+                       code=exc.status_code, headers=dict(exc.headers or {}))
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                       "internal_server_error", None, 500), status_code=500)
+
+
+class BodySizeLimitMiddleware:
+    """Answers 413 to any request whose body is over `max_bytes`.
+
+    Checks Content-Length up front, then reads the body itself (counting bytes, so chunked
+    bodies without the header are caught too) and replays it to the app in one message.
+    Later receive() calls go straight through, so disconnect detection still works."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._reject(scope, send, int(value))
+                return
+
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await self._reject(scope, send, len(body))
+                return
+            if not message.get("more_body", False):
+                break
+
+        replayed = False
+
+        async def replay_receive() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay_receive, send)
+
+    async def _reject(self, scope: Scope, send: Send, size: int) -> None:
+        body = error_body(f"request body is at least {size} bytes, over the limit of "
+                          f"{self.max_bytes} bytes (--max-body-bytes)",
+                          "invalid_request_error", None, "request_too_large")
+        await JSONResponse(body, status_code=413)(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}

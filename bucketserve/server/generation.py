@@ -1,0 +1,155 @@
+"""Runs the engine requests behind one HTTP request, and aborts them when nobody listens.
+
+An OpenAI request with n choices (times k prompts) becomes n*k independent engine
+requests. `run_choices` merges their output streams into one async stream of
+(choice index, RequestOutput). Whatever ends the consumer (a finished response, a client
+that went away, a cancelled task, a server shutdown) runs its `finally`, which aborts
+every engine request that has not finished: their KV blocks are back in the pool after
+the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from bucketserve.engine.async_engine import AsyncEngine, EngineDeadError
+from bucketserve.engine.llm_engine import RequestError
+from bucketserve.engine.outputs import QueueFullError, RequestOutput
+from bucketserve.engine.sequence import SamplingError, SamplingParams
+from bucketserve.server.errors import APIError, invalid_request, overloaded
+from bucketserve.server.metrics import ServerMetrics
+
+T = TypeVar("T")
+
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming handler checks that its client is there
+
+
+@dataclass
+class Job:
+    """One engine request: a choice of one prompt."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; nothing more can be sent to it."""
+
+
+class InFlight:
+    """Engine request ids of every live HTTP request, so a shutdown can abort them."""
+
+    def __init__(self) -> None:
+        self.request_ids: set[str] = set()
+        self.draining = False
+
+    def abort_all(self, engine: AsyncEngine) -> None:
+        for rid in list(self.request_ids):
+            engine.abort(rid)
+
+
+def engine_error(exc: BaseException) -> APIError | None:
+    """The client-facing error for an exception the engine raised, or None if unexpected."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return overloaded(f"the server is overloaded: {exc}; retry later", "queue_full")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "server_error", code="engine_dead")
+    if isinstance(exc, RequestError):
+        return invalid_request(str(exc), exc.param)
+    if isinstance(exc, SamplingError):
+        return invalid_request(str(exc), exc.param)
+    return None
+
+
+def finish_error(out: RequestOutput, inflight: InFlight) -> APIError | None:
+    """An error for a choice that ended without a normal finish (timeout, shutdown abort)."""
+    if out.finish_reason == "timeout":
+        return overloaded(out.error or "the request waited in the queue longer than the "
+                          "queue timeout; retry later", "queue_timeout")
+    if out.finish_reason == "abort":
+        if inflight.draining:
+            return overloaded("the server is shutting down; retry on another replica or later",
+                              "shutting_down")
+        return APIError(500, "the request was aborted", "server_error", code="aborted")
+    if out.error:
+        return APIError(500, out.error, "server_error")
+    return None
+
+
+async def run_choices(
+    engine: AsyncEngine,
+    jobs: list[Job],
+    request_id: str,
+    priority: int,
+    inflight: InFlight,
+    metrics: ServerMetrics,
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Merged outputs of `jobs`, tagged with the job index. Raises APIError for engine
+    refusals (queue full, bad request); aborts all unfinished jobs when closed early."""
+    rids = [f"{request_id}-{i}" for i in range(len(jobs))]
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    finished: set[int] = set()
+
+    async def pump(i: int) -> None:
+        job = jobs[i]
+        try:
+            async for out in engine.generate(job.prompt_token_ids, job.params, rids[i], priority):
+                queue.put_nowait((i, out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which decides
+            queue.put_nowait((i, exc))
+            return
+        queue.put_nowait((i, None))
+
+    inflight.request_ids.update(rids)
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(jobs))]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                err = engine_error(item)
+                if err is None:
+                    raise item
+                raise err
+            if item.finished:
+                finished.add(i)
+                metrics.observe_finished(item)
+            yield i, item
+    finally:
+        # Synchronous on purpose: this must run even inside a cancelled scope.
+        for i, rid in enumerate(rids):
+            if i not in finished:
+                engine.abort(rid)
+        for task in tasks:
+            task.cancel()
+        inflight.request_ids.difference_update(rids)
+
+
+async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
+    """Awaits `awaitable` while polling the client; if it goes away, cancels the awaitable
+    (whose cleanup aborts the engine requests) and raises ClientGone."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()

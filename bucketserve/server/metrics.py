@@ -1,0 +1,100 @@
+"""Prometheus metrics for GET /metrics.
+
+Two sources:
+- engine state and running totals (queue lengths, KV blocks, tokens, bucket steps,
+  preemptions) are read from `EngineStats` at scrape time by a custom collector, so a
+  scrape always shows the value after the engine's latest step and nothing is counted twice;
+- per-request outcomes and latencies are observed by the server when a choice finishes,
+  from the engine's own timestamps in `RequestOutput.metrics` (monotonic seconds:
+  arrival, first_scheduled, first_token, finished).
+
+Each app owns its registry (no global state), so several apps can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from bucketserve.engine.outputs import RequestOutput
+from bucketserve.engine.stats import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                    60.0, 120.0, 300.0, 600.0)
+_PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                      0.5, 0.75, 1.0, 2.5)
+
+
+class EngineStatsCollector(Collector):
+    """Exports EngineStats.snapshot() as gauges and counters on every scrape."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats]) -> None:
+        self.get_stats = get_stats
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.get_stats().snapshot()
+        for name, key, doc in (
+            ("bucketserve_requests_running", "num_running", "Sequences in the running set."),
+            ("bucketserve_requests_waiting", "num_waiting", "Sequences in the waiting queue."),
+            ("bucketserve_kv_blocks_used", "kv_blocks_used", "KV-cache blocks in use."),
+            ("bucketserve_kv_blocks_total", "kv_blocks_total", "Usable KV-cache blocks in the pool."),
+        ):
+            yield GaugeMetricFamily(name, doc, value=snap[key])
+        for name, key, doc in (
+            ("bucketserve_preemptions", "preemptions_total", "Sequences preempted by recompute."),
+            ("bucketserve_computed_tokens", "computed_tokens_total",
+             "Tokens run through the model, padding and recomputation included."),
+            ("bucketserve_useful_tokens", "useful_tokens_total",
+             "Tokens whose K/V was computed for the first time."),
+            ("bucketserve_engine_steps", "num_steps", "Engine steps that ran the model."),
+        ):
+            yield CounterMetricFamily(name, doc, value=snap[key])
+        steps = CounterMetricFamily("bucketserve_bucket_steps",
+                                    "Engine steps per step kind and bucket.",
+                                    labels=["kind", "bucket"])
+        for (kind, bucket), count in sorted(snap["bucket_steps"].items()):
+            steps.add_metric([kind, str(bucket)], count)
+        yield steps
+
+
+class ServerMetrics:
+    def __init__(self, get_stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineStatsCollector(get_stats))
+        self.request_success = Counter(
+            "bucketserve_request_success", "Finished engine requests (one per choice) by reason.",
+            ["finish_reason"], registry=self.registry)
+        self.ttft = Histogram(
+            "bucketserve_time_to_first_token_seconds", "Arrival to first generated token.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(
+            "bucketserve_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request.",
+            buckets=_PER_TOKEN_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(
+            "bucketserve_e2e_request_latency_seconds", "Arrival to finish.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram(
+            "bucketserve_queue_time_seconds", "Arrival to first scheduled step.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        self.request_success.labels(finish_reason=out.finish_reason or "unknown").inc()
+        m = out.metrics
+        arrival = m.get("arrival")
+        if arrival is None:
+            return
+        if "first_scheduled" in m:
+            self.queue_time.observe(m["first_scheduled"] - arrival)
+        if "first_token" in m:
+            self.ttft.observe(m["first_token"] - arrival)
+        if "finished" in m:
+            self.e2e.observe(m["finished"] - arrival)
+            if "first_token" in m and out.num_output_tokens > 1:
+                self.tpot.observe((m["finished"] - m["first_token"]) / (out.num_output_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
