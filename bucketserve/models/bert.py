@@ -1,0 +1,201 @@
+"""BERT-family sentence encoder (BERT, MiniLM, BGE, E5): absolute position and token-type
+embeddings, post-LN transformer layers, GELU, then sentence-transformers-style pooling.
+
+The encoder always runs a whole padded batch at one shape: input_ids [B, L] with a boolean
+attention mask [B, L] (True = real token, padding on the right). Padded positions are computed
+(so every bucket has one fixed shape) but masked out of attention keys and out of pooling, so
+they never change a real token's result.
+
+Weight names follow Hugging Face's BertModel (with or without the "bert." prefix); query, key and
+value are fused into one [3H, H] projection at load time (bert_loader.py) for one GEMM per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Pooling modes in the order sentence-transformers concatenates them when several are set.
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")
+
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),  # exact (erf) GELU, as HF "gelu"
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    pad_token_id: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> BertConfig:
+        """Build from a Hugging Face BERT config.json dict; refuses variants we do not run."""
+        pos = d.get("position_embedding_type", "absolute")
+        if pos != "absolute":
+            raise ValueError(
+                f"position_embedding_type {pos!r} is not supported; only 'absolute' BERT "
+                "position embeddings are implemented"
+            )
+        act = d.get("hidden_act", "gelu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported; expected one of "
+                             f"{sorted(_ACTIVATIONS)}")
+        if d["hidden_size"] % d["num_attention_heads"]:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=int(d["num_attention_heads"]),
+            intermediate_size=int(d["intermediate_size"]),
+            max_position_embeddings=int(d.get("max_position_embeddings", 512)),
+            type_vocab_size=int(d.get("type_vocab_size", 2)),
+            layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
+            hidden_act=act,
+            pad_token_id=int(d.get("pad_token_id") or 0),
+        )
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        # input_ids [B, L] -> [B, L, H]. Positions are 0..L-1 for every row (right padding).
+        L = input_ids.shape[1]
+        x = self.word_embeddings(input_ids) + self.position_embeddings.weight[:L]
+        if token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
+        return self.LayerNorm(x)
+
+
+class BertLayer(nn.Module):
+    """Post-LN layer: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dim
+        self.qkv = nn.Linear(H, 3 * H)  # rows: [query; key; value]
+        self.attn_out = nn.Linear(H, H)
+        self.attn_norm = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
+        self.ffn_in = nn.Linear(H, cfg.intermediate_size)
+        self.ffn_out = nn.Linear(cfg.intermediate_size, H)
+        self.ffn_norm = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        # x [B, L, H]; attn_mask [B, 1, 1, L] bool (True = key may be attended) or None.
+        B, L, H = x.shape
+        qkv = self.qkv(x).view(B, L, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, L, head_dim]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        a = a.transpose(1, 2).reshape(B, L, H)
+        x = self.attn_norm(x + self.attn_out(a))
+        return self.ffn_norm(x + self.ffn_out(self.act(self.ffn_in(x))))
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embeddings = BertEmbeddings(cfg)
+        self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, L] long, attention_mask [B, L] bool or None -> hidden [B, L, H]."""
+        x = self.embeddings(input_ids, token_type_ids)
+        # A mask with no padding changes nothing; None lets SDPA take its unmasked fast path.
+        key_mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            key_mask = attention_mask[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, key_mask)
+        return x
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: tuple[str, ...]) -> torch.Tensor:
+    """Sentence vectors from token vectors: hidden [B, L, H], mask [B, L] bool -> [B, H * len(modes)].
+
+    Each row of mask must have its real tokens first (right padding) and at least one of them.
+    """
+    m = mask.unsqueeze(-1).to(hidden.dtype)  # [B, L, 1]
+    lengths = mask.sum(dim=1)  # [B]
+    parts = []
+    for mode in modes:
+        if mode == "cls":
+            parts.append(hidden[:, 0])
+        elif mode == "max":
+            parts.append(hidden.masked_fill(~mask.unsqueeze(-1), -math.inf).amax(dim=1))
+        elif mode in ("mean", "mean_sqrt_len"):
+            summed = (hidden * m).sum(dim=1)
+            denom = lengths.to(hidden.dtype).clamp(min=1.0).unsqueeze(-1)
+            parts.append(summed / (denom if mode == "mean" else denom.sqrt()))
+        elif mode == "lasttoken":
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+            parts.append(hidden[rows, lengths - 1])
+        else:
+            raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+class BertEmbeddingModel(nn.Module):
+    """Encoder + pooling + optional L2 normalisation: the sentence-transformers pipeline."""
+
+    def __init__(self, cfg: BertConfig, pooling: tuple[str, ...] = ("mean",),
+                 normalize: bool = True) -> None:
+        super().__init__()
+        for mode in pooling:
+            if mode not in POOLING_MODES:
+                raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
+        self.config = cfg
+        self.encoder = BertEncoder(cfg)
+        self.pooling = tuple(pooling)
+        self.normalize = normalize
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.config.hidden_size * len(self.pooling)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, L] long, attention_mask [B, L] bool -> embeddings [B, D] float32."""
+        hidden = self.encoder(input_ids, attention_mask)
+        out = pool(hidden, attention_mask, self.pooling).float()
+        if self.normalize:
+            out = F.normalize(out, p=2.0, dim=-1)
+        return out

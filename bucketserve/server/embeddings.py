@@ -1,0 +1,279 @@
+"""POST /v1/embeddings: OpenAI's embeddings API over the length-bucketed EmbeddingBatcher.
+
+`build_add_on(...)` returns an EmbeddingService, the AddOn that server/app.py mounts: its
+`router`, `model_name`, `start()` / `shutdown()` and `metrics_collector` (batcher totals for
+/metrics, read at scrape time).
+
+Inputs: a string, a list of strings, a list of token ids, or a list of token-id lists. Strings
+are tokenized with the model's special tokens ([CLS] ... [SEP] for BERT); token ids are taken
+as the complete model input. `truncate_prompt_tokens` (-1 = the model's maximum) truncates as
+sentence-transformers does (keeps the start; strings keep their special tokens) instead of
+refusing long inputs. Vectors come back in input order, as floats or as base64 of
+little-endian float32 (OpenAI's encoding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+import numpy as np
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from bucketserve.buckets import BucketsConfig, load_buckets
+from bucketserve.engine.embedding_batcher import (
+    QUEUE_DELAY_BUCKETS,
+    BatcherStoppedError,
+    EmbeddingBatcher,
+    QueueTimeoutError,
+)
+from bucketserve.engine.outputs import QueueFullError
+from bucketserve.models.bert_loader import LoadedEmbeddingModel, load_embedding_model
+from bucketserve.server.errors import APIError, invalid_request, overloaded
+
+log = logging.getLogger("bucketserve.embeddings")
+
+# Strings are tokenized off the event loop when a request carries more than this many.
+_INLINE_TOKENIZE_MAX = 8
+
+_INPUT_KINDS = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    input: Any  # checked by parse_input, for messages that name the offending item
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+    priority: StrictInt = 0  # lower value runs first, as for generation
+
+
+class BatcherStatsCollector(Collector):
+    """The batcher's running totals as Prometheus metrics, read on every scrape."""
+
+    def __init__(self, batcher: EmbeddingBatcher) -> None:
+        self.batcher = batcher
+
+    def collect(self) -> Iterator[Any]:
+        b = self.batcher
+        s = b.stats
+        per_bucket = dict(s.batches_per_bucket)
+        batches = CounterMetricFamily("bucketserve_embedding_batches",
+                                      "Encoder batches run, per bucket length.", labels=["bucket"])
+        for bucket in b.spec.boundaries:
+            batches.add_metric([str(bucket)], per_bucket.get(bucket, 0))
+        yield batches
+
+        sizes = dict(s.batch_size_counts)
+        bounds = [1 << i for i in range(b.preferred_batch_size.bit_length() + 1)]
+        cumulative = [(str(le), sum(c for n, c in sizes.items() if n <= le)) for le in bounds]
+        cumulative.append(("+Inf", sum(sizes.values())))
+        yield HistogramMetricFamily("bucketserve_embedding_batch_size",
+                                    "Inputs per encoder batch.", buckets=cumulative,
+                                    sum_value=sum(n * c for n, c in sizes.items()))
+
+        delays = list(s.queue_delay_counts)
+        running, cumulative = 0, []
+        for le, count in zip([*map(str, QUEUE_DELAY_BUCKETS), "+Inf"], delays, strict=True):
+            running += count
+            cumulative.append((le, running))
+        yield HistogramMetricFamily("bucketserve_embedding_queue_delay_seconds",
+                                    "Time an input waited in its bucket before its batch ran.",
+                                    buckets=cumulative, sum_value=s.queue_delay_sum_s)
+        for name, value, doc in (
+            ("bucketserve_embedding_computed_tokens", s.computed_tokens,
+             "Tokens run through the encoder, bucket padding included."),
+            ("bucketserve_embedding_useful_tokens", s.useful_tokens, "Real input tokens encoded."),
+            ("bucketserve_embedding_inputs", s.num_inputs, "Inputs encoded."),
+            ("bucketserve_embedding_requests", s.num_requests, "Embedding requests accepted."),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("bucketserve_embedding_requests_waiting",
+                                "Embedding requests queued or running.",
+                                value=b.num_waiting_requests)
+
+
+class EmbeddingService:
+    """The /v1/embeddings add-on: model, batcher and router (see server/app.py AddOn)."""
+
+    def __init__(self, loaded: LoadedEmbeddingModel, buckets: BucketsConfig) -> None:
+        buckets = buckets.check_model(embedding_max_len=loaded.max_seq_length)
+        self.loaded = loaded
+        self.model_name = loaded.name
+        device = next(loaded.model.parameters()).device
+
+        def encode(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return loaded.model(input_ids.to(device), mask.to(device))
+
+        self.batcher = EmbeddingBatcher.from_config(
+            encode, buckets.embedding, queue_timeout_s=buckets.queue_timeout_s,
+            max_waiting=buckets.max_waiting, policy=buckets.policy,
+            pad_token_id=loaded.config.pad_token_id)
+        self.max_inputs = buckets.embedding.max_inputs_per_request
+        # Longest input served: the model's limit, or a smaller last bucket from the user's file.
+        self.max_input_tokens = min(loaded.max_seq_length, self.batcher.max_len)
+        self.metrics_collector = BatcherStatsCollector(self.batcher)
+        self.router = self._build_router()
+
+    async def start(self) -> None:
+        self.batcher.start()
+
+    async def shutdown(self, timeout_s: float) -> None:
+        await self.batcher.shutdown(timeout_s)
+
+    def is_alive(self) -> bool:
+        return self.batcher.is_alive()
+
+    # ------------------------------------------------------------------ request handling
+    def _build_router(self) -> APIRouter:
+        router = APIRouter()
+
+        @router.post("/v1/embeddings")
+        async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+            ctx = getattr(request.app.state, "ctx", None)
+            if ctx is not None and ctx.inflight.draining:
+                raise overloaded("the server is shutting down; retry later", "shutting_down")
+            return await self.create(body)
+
+        return router
+
+    async def create(self, body: EmbeddingRequest) -> JSONResponse:
+        self._check_fields(body)
+        token_ids = await self._token_ids(body)
+        try:
+            vectors = await self.batcher.embed(token_ids, priority=body.priority)
+        except QueueFullError as exc:
+            raise overloaded(str(exc), "queue_full") from exc
+        except QueueTimeoutError as exc:
+            raise overloaded(str(exc), "queue_timeout") from exc
+        except BatcherStoppedError as exc:
+            raise overloaded(str(exc), "shutting_down") from exc
+        encode = _to_base64 if body.encoding_format == "base64" else _to_floats
+        data = [{"object": "embedding", "index": i, "embedding": encode(v)}
+                for i, v in enumerate(vectors)]
+        used = sum(len(ids) for ids in token_ids)
+        return JSONResponse({"object": "list", "data": data, "model": self.model_name,
+                             "usage": {"prompt_tokens": used, "total_tokens": used}})
+
+    def _check_fields(self, body: EmbeddingRequest) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist here; /v1/embeddings "
+                           f"serves {self.model_name!r} (see GET /v1/models)",
+                           "invalid_request_error", "model", "model_not_found")
+        dim = self.loaded.embedding_dim
+        if body.dimensions is not None and body.dimensions != dim:
+            raise invalid_request(f"{self.model_name} returns {dim}-dimensional vectors and "
+                                  f"cannot shorten them; omit dimensions or set it to {dim}",
+                                  "dimensions")
+        limit = self.max_input_tokens
+        if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > limit:
+            raise invalid_request(f"truncate_prompt_tokens {body.truncate_prompt_tokens} is over "
+                                  f"the model's maximum input length {limit}; use at most {limit} "
+                                  "(or -1 for the maximum)", "truncate_prompt_tokens")
+        if body.truncate_prompt_tokens == 0:
+            raise invalid_request("truncate_prompt_tokens must be >= 1, or -1 for the model's "
+                                  "maximum input length", "truncate_prompt_tokens")
+
+    async def _token_ids(self, body: EmbeddingRequest) -> list[list[int]]:
+        """Token ids per input (truncated when asked); refuses empty, too many, too long."""
+        inputs = parse_input(body.input)
+        if len(inputs) > self.max_inputs:
+            raise APIError(413, f"input has {len(inputs)} items, over the limit of "
+                           f"{self.max_inputs} per request (embedding.max_inputs_per_request); "
+                           "split it into several requests", "invalid_request_error", "input",
+                           "too_many_inputs")
+
+        limit = self.max_input_tokens
+        trunc = body.truncate_prompt_tokens
+        max_len = None if trunc is None else (limit if trunc == -1 else trunc)
+        if isinstance(inputs[0], str):
+            texts: list[str] = inputs  # type: ignore[assignment]
+            try:
+                if len(texts) <= _INLINE_TOKENIZE_MAX:
+                    token_ids = self.loaded.tokenizer.encode_batch(texts, max_len)
+                else:
+                    token_ids = await asyncio.to_thread(self.loaded.tokenizer.encode_batch,
+                                                        texts, max_len)
+            except ValueError as exc:
+                raise invalid_request(str(exc), "truncate_prompt_tokens") from exc
+        else:
+            vocab = self.loaded.config.vocab_size
+            token_ids = [list(ids) for ids in inputs]  # type: ignore[arg-type]
+            for i, ids in enumerate(token_ids):
+                bad = next((t for t in ids if t >= vocab), None)
+                if bad is not None:
+                    raise invalid_request(f"input[{i}] has token id {bad}, outside the "
+                                          f"vocabulary (0..{vocab - 1})", "input")
+            if max_len is not None:
+                token_ids = [ids[:max_len] for ids in token_ids]
+
+        for i, ids in enumerate(token_ids):
+            if len(ids) > limit:
+                raise invalid_request(
+                    f"input[{i}] has {len(ids)} tokens, over the model's maximum input length "
+                    f"of {limit} tokens; shorten it or set truncate_prompt_tokens (-1 truncates "
+                    "to the maximum)", "input", "input_too_long")
+        return token_ids
+
+
+def _is_token_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def parse_input(inp: Any) -> list[str] | list[list[int]]:
+    """The request's `input` as a non-empty list of strings or of token-id lists."""
+    if isinstance(inp, str):
+        inp = [inp]
+    elif isinstance(inp, list) and inp and _is_token_id(inp[0]):
+        inp = [inp]
+    if not isinstance(inp, list):
+        raise invalid_request(f"input must be {_INPUT_KINDS}; got {type(inp).__name__}", "input")
+    if not inp:
+        raise invalid_request(f"input is empty; send {_INPUT_KINDS}", "input")
+    strings = isinstance(inp[0], str)
+    for i, item in enumerate(inp):
+        if strings:
+            ok = isinstance(item, str)
+        else:
+            ok = isinstance(item, list) and all(_is_token_id(t) for t in item)
+        if not ok:
+            kind = "a string" if strings else "a list of non-negative integer token ids"
+            raise invalid_request(f"input[{i}] must be {kind} like input[0] (input must be "
+                                  f"{_INPUT_KINDS}); got {json.dumps(item)[:60]}", "input")
+        if len(item) == 0:
+            raise invalid_request(f"input[{i}] is empty; every input needs at least one "
+                                  "character or token", "input")
+    return inp
+
+
+def _to_floats(v: torch.Tensor) -> list[float]:
+    return v.tolist()
+
+
+def _to_base64(v: torch.Tensor) -> str:
+    # OpenAI's base64 encoding: the vector's little-endian float32 bytes.
+    return base64.b64encode(np.ascontiguousarray(v.numpy(), dtype="<f4").tobytes()).decode()
+
+
+def build_add_on(model: str = "all-minilm-l6-v2", device: str = "cpu",
+                 dtype: torch.dtype = torch.float32,
+                 buckets: BucketsConfig | None = None) -> EmbeddingService:
+    """Load the embedding model and build its service (cli.py calls this for --embedding-model)."""
+    loaded = load_embedding_model(model, device=device, dtype=dtype)
+    service = EmbeddingService(loaded, buckets if buckets is not None else load_buckets())
+    # One tiny forward so the first request does not pay for lazy initialisation.
+    ids = torch.zeros((1, service.batcher.spec.boundaries[0]), dtype=torch.long, device=device)
+    loaded.model(ids, torch.ones_like(ids, dtype=torch.bool))
+    return service

@@ -1,0 +1,214 @@
+"""Our BERT encoder + pooling vs sentence-transformers (the oracle), in many batch compositions.
+
+Every input's vector must have cosine >= 0.9999 with SentenceTransformer(dir).encode's vector,
+whether it is encoded alone, with all others in one request, or in concurrent requests spread
+over differently-sized buckets and batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import minilm_dir
+
+from bucketserve.engine.embedding_batcher import EmbeddingBatcher
+from bucketserve.models.bert_loader import load_embedding_model
+
+MIN_COSINE = 0.9999
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return load_embedding_model("all-minilm-l6-v2")
+
+
+@pytest.fixture(scope="module")
+def st_model():
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(minilm_dir()), device="cpu")
+
+
+def _text_of_length(tokenizer, n: int, seed: int) -> str:
+    """A text of exactly n word pieces (specials included), drawn from the vocabulary."""
+    rng = random.Random(seed)
+    words = [w for w in tokenizer._tok.get_vocab() if w.isalpha() and w.isascii() and len(w) > 2]
+    words.sort()
+    text = ""
+    while True:
+        candidate = (text + " " + rng.choice(words)).strip()
+        if len(tokenizer.encode(candidate)) > n:
+            break
+        text = candidate
+    while len(tokenizer.encode(text)) < n:  # pad with single-piece tokens
+        text += " a"
+    assert len(tokenizer.encode(text)) == n
+    return text
+
+
+@pytest.fixture(scope="module")
+def mixed_texts(ours) -> list[str]:
+    tok = ours.tokenizer
+    texts = [
+        "a",  # one word piece
+        "Hello world!",
+        "Der schnelle braune Fuchs springt über den faulen Hund.",
+        "Le café est très bon, n'est-ce pas ? Ça dépend.",
+        "东京は日本の首都です。北京是中国的首都。",
+        "Привет, как дела? Всё хорошо.",
+        "مرحبا بالعالم",
+        "नमस्ते दुनिया",
+        "🚀🎉 emoji party 👩‍👩‍👧‍👦 ✨",
+        "   leading and trailing spaces   ",
+        "Numbers 3.14159 and symbols #$%&*()!",
+    ]
+    texts += [_text_of_length(tok, n, seed=n) for n in (15, 16, 17, 33, 64, 100, 129, 200, 255, 256)]
+    return texts
+
+
+@pytest.fixture(scope="module")
+def reference(st_model, mixed_texts) -> torch.Tensor:
+    return torch.from_numpy(st_model.encode(mixed_texts, batch_size=32))
+
+
+def _check(got: list[torch.Tensor], ref: torch.Tensor, texts: list[str]) -> None:
+    assert len(got) == len(ref)
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+        cos = F.cosine_similarity(g.float(), r, dim=0).item()
+        assert cos >= MIN_COSINE, f"input {i} ({texts[i][:30]!r}): cosine {cos}"
+
+
+def test_tokenization_matches_sentence_transformers(ours, st_model, mixed_texts):
+    lengths = [len(ours.tokenizer.encode(t)) for t in mixed_texts]
+    assert min(lengths) == 3 and max(lengths) == 256  # 1 word piece .. max_seq_length
+    ref = st_model.tokenizer(mixed_texts, truncation=True, max_length=256)["input_ids"]
+    assert ours.tokenizer.encode_batch(mixed_texts) == ref
+    assert ours.max_seq_length == st_model.max_seq_length == 256
+
+
+def test_truncation_matches_sentence_transformers(ours, st_model):
+    text = "word " * 400
+    ids = ours.tokenizer.encode_batch([text], max_length=256)[0]
+    assert ids == st_model.tokenizer([text], truncation=True, max_length=256)["input_ids"][0]
+    L = len(ids)
+    got = ours.model(torch.tensor([ids]), torch.ones(1, L, dtype=torch.bool))[0]
+    ref = torch.from_numpy(st_model.encode([text]))[0]
+    assert F.cosine_similarity(got, ref, dim=0).item() >= MIN_COSINE
+
+
+def test_each_input_alone(ours, mixed_texts, reference):
+    got = []
+    for ids in ours.tokenizer.encode_batch(mixed_texts):
+        L = len(ids)
+        got.append(ours.model(torch.tensor([ids]), torch.ones(1, L, dtype=torch.bool))[0])
+    _check(got, reference, mixed_texts)
+
+
+def _batched(ours, token_ids, groups, **batcher_kw) -> list[torch.Tensor]:
+    """Run `groups` (lists of input indices) as concurrent requests through a batcher."""
+
+    async def run():
+        batcher = EmbeddingBatcher(ours.model, pad_token_id=0, **batcher_kw)
+        batcher.start()
+        try:
+            results = await asyncio.gather(
+                *[batcher.embed([token_ids[i] for i in g]) for g in groups])
+        finally:
+            await batcher.shutdown()
+        return batcher, results
+
+    batcher, results = asyncio.run(run())
+    out: list[torch.Tensor | None] = [None] * len(token_ids)
+    for g, vecs in zip(groups, results, strict=True):
+        for i, v in zip(g, vecs, strict=True):
+            out[i] = v
+    # Every bucket ran at its own length: rows were padded to a boundary, never beyond.
+    assert set(batcher.stats.batches_per_bucket) <= set(batcher_kw["boundaries"])
+    return out  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("layout", ["one_request", "single_requests", "random_groups"])
+def test_batch_compositions(ours, mixed_texts, reference, layout):
+    token_ids = ours.tokenizer.encode_batch(mixed_texts)
+    n = len(token_ids)
+    rng = random.Random(layout)
+    if layout == "one_request":
+        groups = [list(range(n))]
+        kw = dict(boundaries=(16, 32, 64, 128, 256), preferred_batch_size=32,
+                  max_batch_tokens=8192, max_queue_delay_ms=5.0)
+    elif layout == "single_requests":
+        groups = [[i] for i in rng.sample(range(n), n)]
+        kw = dict(boundaries=(8, 24, 40, 128, 192, 256), preferred_batch_size=3,
+                  max_batch_tokens=8192, max_queue_delay_ms=20.0)
+    else:
+        order = rng.sample(range(n), n)
+        cuts = sorted(rng.sample(range(1, n), 5))
+        groups = [order[a:b] for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+        kw = dict(boundaries=(4, 16, 100, 256), preferred_batch_size=5,
+                  max_batch_tokens=600, max_queue_delay_ms=1.0)
+    _check(_batched(ours, token_ids, groups, **kw), reference, mixed_texts)
+
+
+# ------------------------------------------------------------------ other pooling modes
+@pytest.fixture(scope="module")
+def tiny_bert_dir(tmp_path_factory):
+    """A small random BERT saved as a sentence-transformers directory with MiniLM's tokenizer."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=128)
+    path = tmp_path_factory.mktemp("tiny-bert")
+    BertModel(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm_dir() / name, path / name)
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 100}))
+    return path
+
+
+POOLING_CONFIGS = {
+    "cls": {"pooling_mode_cls_token": True},
+    "lasttoken": {"pooling_mode_lasttoken": True},
+    "max": {"pooling_mode_max_tokens": True},
+    "mean+cls": {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(POOLING_CONFIGS))
+@pytest.mark.parametrize("normalize", [False, True])
+def test_pooling_modes(tiny_bert_dir, tmp_path, mode, normalize):
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_bert_dir, model_dir)
+    (model_dir / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+               "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+               "pooling_mode_mean_sqrt_len_tokens": False, **POOLING_CONFIGS[mode]}
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (model_dir / "modules.json").write_text(json.dumps(modules))
+
+    texts = ["short", "a somewhat longer sentence with several words", "🚀 Grüße aus Köln",
+             "x " * 60]
+    ref = torch.from_numpy(SentenceTransformer(str(model_dir), device="cpu").encode(texts))
+    loaded = load_embedding_model(str(model_dir))
+    assert loaded.max_seq_length == 100
+    token_ids = loaded.tokenizer.encode_batch(texts)
+    got = _batched(loaded, token_ids, [[0, 1, 2, 3]], boundaries=(8, 32, 64, 100),
+                   preferred_batch_size=4, max_batch_tokens=1000, max_queue_delay_ms=1.0)
+    assert ref.shape[1] == loaded.embedding_dim
+    _check(got, ref, texts)
+    if not normalize:  # also the scale, not just the direction
+        assert torch.allclose(torch.stack(got), ref, atol=1e-4, rtol=1e-4)
