@@ -1,0 +1,267 @@
+"""EmbeddingBatcher scheduling with a fake encoder (no model): buckets, dispatch rules,
+reassembly, priorities, timeouts, cancellation and stats."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from bucketserve.engine.embedding_batcher import (
+    BatcherStoppedError,
+    EmbeddingBatcher,
+    QueueTimeoutError,
+)
+from bucketserve.engine.outputs import QueueFullError
+
+WAIT_S = 30.0  # generous bound for "this completes" (never a performance threshold)
+
+
+class FakeEncoder:
+    """Returns [sum of real ids, number of real tokens] per row; records each batch; can be
+    held at a gate so the test can queue work while a batch is 'running'."""
+
+    def __init__(self, gated: bool = False) -> None:
+        self.calls: list[tuple[int, int]] = []  # (B, L)
+        self.batches: list[list[int]] = []  # first id of each row, per batch
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        if not gated:
+            self.gate.set()
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
+        assert self.gate.wait(WAIT_S)
+        assert ids.shape == mask.shape and mask[:, 0].all()
+        # Right padding only: each row is real tokens then padding.
+        n = mask.sum(1)
+        assert torch.equal(mask, torch.arange(ids.shape[1])[None, :] < n[:, None])
+        self.calls.append(tuple(ids.shape))
+        self.batches.append(ids[:, 0].tolist())
+        return torch.stack([(ids * mask).sum(1).float(), n.float()], dim=1)
+
+
+def make_batcher(enc: FakeEncoder, **kw) -> EmbeddingBatcher:
+    args = dict(boundaries=(4, 8, 16), preferred_batch_size=4, max_batch_tokens=64,
+                max_queue_delay_ms=1.0)
+    args.update(kw)
+    b = EmbeddingBatcher(enc, **args)
+    b.start()
+    return b
+
+
+def seq(first: int, n: int) -> list[int]:
+    return [first] + [1] * (n - 1)
+
+
+def expected(ids: list[int]) -> list[float]:
+    return [float(sum(ids)), float(len(ids))]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, WAIT_S))
+
+
+def test_results_in_input_order_across_buckets():
+    enc = FakeEncoder()
+
+    async def main():
+        b = make_batcher(enc)
+        inputs = [seq(100 + i, n) for i, n in enumerate([1, 16, 5, 3, 9, 8, 4, 2, 12, 7])]
+        out = await b.embed(inputs)
+        await b.shutdown()
+        return inputs, out, b
+
+    inputs, out, b = run(main())
+    assert [o.tolist() for o in out] == [expected(i) for i in inputs]
+    # Each batch ran at a bucket length, with rows padded only up to that bucket.
+    for (B, L), firsts in zip(enc.calls, enc.batches, strict=True):
+        assert L in (4, 8, 16) and B == len(firsts)
+        for f in firsts:
+            n = len(inputs[f - 100])
+            assert b.spec.lookup(n) == L
+    assert b.stats.useful_tokens == sum(map(len, inputs))
+    assert b.stats.computed_tokens == sum(B * L for B, L in enc.calls)
+    assert b.stats.num_inputs == len(inputs)
+
+
+def test_full_bucket_runs_without_waiting_for_the_delay():
+    enc = FakeEncoder()
+
+    async def main():
+        # The delay alone would hold the batch for an hour; 4 inputs fill the bucket.
+        b = make_batcher(enc, max_queue_delay_ms=3_600_000.0)
+        out = await b.embed([seq(i, 3) for i in range(4)])
+        await b.shutdown()
+        return out
+
+    assert len(run(main())) == 4
+    assert enc.calls == [(4, 4)]
+
+
+def test_token_budget_caps_the_batch():
+    enc = FakeEncoder()
+
+    async def main():
+        # Bucket 16 with max_batch_tokens 32 holds 2 inputs per batch, though preferred is 4.
+        b = make_batcher(enc, max_batch_tokens=32, max_queue_delay_ms=3_600_000.0)
+        out = await b.embed([seq(i, 10) for i in range(4)])
+        await b.shutdown()
+        return out
+
+    assert len(run(main())) == 4
+    assert enc.calls == [(2, 16), (2, 16)]
+
+
+def test_incomplete_bucket_runs_after_the_delay():
+    enc = FakeEncoder()
+
+    async def main():
+        b = make_batcher(enc, max_queue_delay_ms=20.0)
+        out = await b.embed([seq(7, 2)])
+        await b.shutdown()
+        return out, b
+
+    out, b = run(main())
+    assert out[0].tolist() == expected(seq(7, 2))
+    assert enc.calls == [(1, 4)]
+    delays = b.stats.queue_delay_counts
+    assert sum(delays) == 1 and b.stats.queue_delay_sum_s >= 0.02
+
+
+def test_concurrent_requests_share_batches():
+    enc = FakeEncoder()
+
+    async def main():
+        b = make_batcher(enc, max_queue_delay_ms=3_600_000.0)
+        outs = await asyncio.gather(*[b.embed([seq(10 + i, 3)]) for i in range(8)])
+        await b.shutdown()
+        return outs
+
+    outs = run(main())
+    assert [o[0].tolist() for o in outs] == [expected(seq(10 + i, 3)) for i in range(8)]
+    assert enc.calls == [(4, 4), (4, 4)]
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_priority_orders_batches(policy):
+    enc = FakeEncoder(gated=True)
+
+    async def main():
+        b = make_batcher(enc, preferred_batch_size=1, policy=policy)
+        first = asyncio.ensure_future(b.embed([seq(1, 2)]))
+        await asyncio.to_thread(enc.entered.wait, WAIT_S)  # the worker is busy with input 1
+        later = [asyncio.ensure_future(b.embed([seq(first_id, 2)], priority=prio))
+                 for first_id, prio in ((2, 5), (3, 0), (4, -1), (5, 5))]
+        await asyncio.sleep(0.05)  # all queued before the worker frees up
+        enc.gate.set()
+        await asyncio.gather(first, *later)
+        await b.shutdown()
+
+    run(main())
+    order = [firsts[0] for firsts in enc.batches]
+    assert order == ([1, 4, 3, 2, 5] if policy == "priority" else [1, 2, 3, 4, 5])
+
+
+def test_queue_timeout_fails_the_request():
+    enc = FakeEncoder(gated=True)
+
+    async def main():
+        b = make_batcher(enc, preferred_batch_size=1, queue_timeout_s=0.05)
+        first = asyncio.ensure_future(b.embed([seq(1, 2)]))
+        await asyncio.to_thread(enc.entered.wait, WAIT_S)
+        late = asyncio.ensure_future(b.embed([seq(2, 2), seq(3, 9)]))
+        await asyncio.sleep(0.2)  # the worker is still blocked: both inputs time out
+        enc.gate.set()
+        await first
+        with pytest.raises(QueueTimeoutError):
+            await late
+        assert b.num_waiting_requests == 0
+        await b.shutdown()
+
+    run(main())
+    assert enc.batches == [[1]]
+
+
+def test_queue_full_and_cancellation():
+    enc = FakeEncoder(gated=True)
+
+    async def main():
+        b = make_batcher(enc, preferred_batch_size=1, max_waiting=2)
+        first = asyncio.ensure_future(b.embed([seq(1, 2)]))
+        await asyncio.to_thread(enc.entered.wait, WAIT_S)
+        second = asyncio.ensure_future(b.embed([seq(2, 2)]))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFullError):
+            await b.embed([seq(3, 2)])
+        second.cancel()  # the client went away: its slot frees, its input is never run
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert b.num_waiting_requests == 1
+        third = asyncio.ensure_future(b.embed([seq(4, 2)]))
+        enc.gate.set()
+        await asyncio.gather(first, third)
+        await b.shutdown()
+
+    run(main())
+    assert enc.batches == [[1], [4]]
+
+
+def test_shutdown_fails_queued_requests_and_refuses_new_ones():
+    enc = FakeEncoder(gated=True)
+
+    async def main():
+        b = make_batcher(enc, preferred_batch_size=1)
+        first = asyncio.ensure_future(b.embed([seq(1, 2)]))
+        await asyncio.to_thread(enc.entered.wait, WAIT_S)
+        queued = asyncio.ensure_future(b.embed([seq(2, 2)]))
+        await asyncio.sleep(0)
+        stopping = asyncio.ensure_future(b.shutdown(WAIT_S))
+        await asyncio.sleep(0.05)
+        enc.gate.set()
+        await stopping
+        with pytest.raises(BatcherStoppedError):
+            await queued
+        assert (await first)[0].tolist() == expected(seq(1, 2))  # the running batch finished
+        with pytest.raises(BatcherStoppedError):
+            await b.embed([seq(3, 2)])
+
+    run(main())
+
+
+def test_encoder_failure_fails_its_batch_only():
+    calls = []
+
+    def encode(ids, mask):
+        calls.append(ids.shape)
+        if ids[0, 0] == 13:
+            raise RuntimeError("boom")
+        return torch.zeros(ids.shape[0], 2)
+
+    async def main():
+        b = EmbeddingBatcher(encode, (4, 8), 1, 64, 1.0)
+        b.start()
+        with pytest.raises(RuntimeError, match="boom"):
+            await b.embed([[13, 1]])
+        assert len(await b.embed([[5, 1]])) == 1  # the worker survived
+        await b.shutdown()
+
+    run(main())
+
+
+def test_bad_lengths_and_config():
+    enc = FakeEncoder()
+
+    async def main():
+        b = make_batcher(enc)
+        with pytest.raises(ValueError, match="input 1 has 17 tokens"):
+            await b.embed([[1], [1] * 17])
+        with pytest.raises(ValueError, match="input 0 has 0 tokens"):
+            await b.embed([[]])
+        await b.shutdown()
+
+    run(main())
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        EmbeddingBatcher(enc, (4, 8, 16), 4, 8, 1.0)
