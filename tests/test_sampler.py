@@ -61,15 +61,16 @@ def test_temperature_sampling_matches_distribution():
 def allowed_and_probs(logits: torch.Tensor, temperature: float, keep) -> tuple[set[int], dict]:
     probs = torch.softmax(logits / temperature, dim=-1)
     allowed = {int(t) for t in keep(probs)}
-    total = sum(float(probs[t]) for t in allowed)
-    return allowed, {t: float(probs[t]) / total for t in allowed}
+    values = probs.tolist()
+    total = sum(values[t] for t in allowed)
+    return allowed, {t: values[t] / total for t in allowed}
 
 
 def check_draws(tokens: torch.Tensor, allowed: set[int], renorm: dict) -> None:
     seen = set(tokens.tolist())
     assert seen <= allowed, f"sampled excluded tokens {seen - allowed}"
-    # Tokens worth >= 0.5% must all show up in 4000 draws (miss chance < e^-20 each).
-    assert {t for t, p in renorm.items() if p >= 0.005} <= seen
+    # Tokens worth >= 20/n must all show up in n draws (miss chance < e^-20 each).
+    assert {t for t, p in renorm.items() if p >= 20 / len(tokens)} <= seen
 
 
 def test_top_k_excludes_the_rest():
@@ -80,11 +81,12 @@ def test_top_k_excludes_the_rest():
 
 
 def top_p_reference(probs: torch.Tensor, top_p: float) -> list[int]:
-    order = sorted(range(len(probs)), key=lambda t: -float(probs[t]))
+    values = probs.tolist()
+    order = sorted(range(len(values)), key=lambda t: -values[t])
     kept, mass = [], 0.0
     for t in order:  # smallest prefix whose mass reaches top_p
         kept.append(t)
-        mass += float(probs[t])
+        mass += values[t]
         if mass >= top_p:
             break
     return kept
@@ -99,6 +101,19 @@ def test_top_p_keeps_smallest_nucleus():
     allowed, renorm = allowed_and_probs(logits, temperature, lambda p: top_p_reference(p, top_p))
     assert len(allowed) == 9
     check_draws(draw(logits, 4000, temperature=temperature, top_p=top_p), allowed, renorm)
+
+
+@pytest.mark.parametrize("scale,nucleus", [(4.0, 20), (0.5, 1500)])
+def test_top_p_large_vocab(scale, nucleus):
+    """Narrow and wide nuclei over a large vocabulary (the sampler searches the top 1024
+    tokens first and sorts everything only when the nucleus is wider)."""
+    logits = rand_logits(1, 3000, seed=10, scale=scale)[0]
+    probs = torch.softmax(logits, dim=-1)
+    cum = torch.cumsum(torch.sort(probs, descending=True).values, 0)
+    top_p = float(cum[nucleus - 2] + cum[nucleus - 1]) / 2
+    allowed, renorm = allowed_and_probs(logits, 1.0, lambda p: top_p_reference(p, top_p))
+    assert len(allowed) == nucleus
+    check_draws(draw(logits, 1500, top_p=top_p), allowed, renorm)
 
 
 def test_min_p_drops_unlikely_tokens():

@@ -7,10 +7,13 @@ Order of operations for a row (each step only touches the rows that need it):
      divided by the penalty when positive and multiplied by it when negative.
   3. frequency / presence penalties (OpenAI semantics, over output tokens only):
      logit -= frequency_penalty * count + presence_penalty * (count > 0).
-  4. greedy rows (temperature ~ 0): torch.argmax of the processed logits (first index on ties).
-  5. sampled rows: logits / temperature, sort descending (stable), top-k, top-p (keep the
-     smallest prefix whose probability mass reaches top_p), min-p (keep probs >= min_p * max
-     prob), then inverse-CDF sampling with one uniform number per row.
+  4. greedy rows (temperature ~ 0, or top_k == 1: the same point mass): torch.argmax of the
+     processed logits (first index on ties).
+  5. sampled rows: logits / temperature; top-k (HF semantics: drop logits below the k-th
+     largest, so ties at the k-th value survive); top-p (in probability order, drop a token once
+     the mass strictly ahead of it reaches top_p, i.e. keep the smallest nucleus); min-p (drop
+     probs < min_p * max prob); then inverse-CDF sampling, in vocabulary order, with one
+     uniform number per row. Only rows with top_p < 1 sort (see _top_p_drop).
 
 Randomness: a row whose sequence has `seq.generator` (params.seed set) draws its uniform from
 that generator only, so a seeded request gives the same tokens whatever its batch mates or row
@@ -62,6 +65,48 @@ def _counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torc
     return counts[:, :vocab]
 
 
+# Top-p first looks for the nucleus among this many most likely tokens (a partial top-k is much
+# cheaper than sorting the whole vocabulary); rows whose nucleus is wider fall back to a sort.
+_NUCLEUS_CANDIDATES = 1024
+
+
+def _nucleus_keep(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """sorted_probs [P, N] descending -> keep [P, N]: mass strictly ahead < top_p [P, 1]."""
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    return mass_before < top_p  # position 0 always kept (mass_before 0)
+
+
+def _stable_desc(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """ids [P, N] (a subset of each row's vocab) ordered by prob descending, ties by lower id."""
+    ids = ids.sort(dim=-1).values
+    order = torch.sort(probs.gather(1, ids), dim=-1, descending=True, stable=True).indices
+    return ids.gather(1, order)
+
+
+def _top_p_drop(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs [P, V], top_p [P, 1] -> drop mask [P, V] in vocab order (smallest nucleus kept).
+
+    Decisions are identical on both paths: the cumsum over the top N equals the first N
+    entries of the full cumsum, and when those N already hold top_p of the mass every later
+    token is dropped anyway. Which path a row takes depends on that row alone."""
+    rows, vocab = probs.shape
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    wide = torch.ones(rows, dtype=torch.bool, device=probs.device)
+    n = min(vocab, _NUCLEUS_CANDIDATES)
+    if n < vocab:
+        order = _stable_desc(probs, torch.topk(probs, n, dim=-1).indices)  # [P, n]
+        sorted_probs = probs.gather(1, order)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        narrow = cum[:, -1] >= top_p[:, 0]  # [P]: the nucleus ends within the top n
+        keep.scatter_(1, order, _nucleus_keep(sorted_probs, top_p) & narrow.unsqueeze(1))
+        wide = ~narrow
+    if bool(wide.any()):
+        w = wide.nonzero()[:, 0]
+        sorted_probs, order = torch.sort(probs[w], dim=-1, descending=True, stable=True)
+        keep[w] = torch.zeros_like(keep[w]).scatter_(1, order, _nucleus_keep(sorted_probs, top_p[w]))
+    return ~keep
+
+
 class Sampler:
     """Callable: Sampler(eos_token_ids)(logits [B, V], seqs) -> SamplerOutput."""
 
@@ -90,7 +135,7 @@ class Sampler:
         raw = logits
         logits = self.process_logits(logits, seqs)
         tokens = torch.argmax(logits, dim=-1)  # [B]; right for greedy rows, others overwritten
-        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        sampled_rows = [i for i, s in enumerate(seqs) if not (s.params.greedy or s.params.top_k == 1)]
         if sampled_rows:
             tokens[sampled_rows] = self._sample(logits[sampled_rows], [seqs[i] for i in sampled_rows])
         token_ids = tokens.tolist()
@@ -153,37 +198,45 @@ class Sampler:
         return u
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits [R, V] (processed) -> sampled token ids [R] long, same device."""
+        """logits [R, V] (processed) -> sampled token ids [R] long, same device.
+
+        Every step is row-wise and chosen by the row's own params, so a row's result does not
+        depend on its batch mates (needed for per-request seeds)."""
         rows, vocab = logits.shape
         device = logits.device
         params = [s.params for s in seqs]
         temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        logits = logits / temp.unsqueeze(1)  # [R, V]
+
+        k_rows = [r for r, p in enumerate(params) if 1 < p.top_k < vocab]
+        if k_rows:
+            ks = [params[r].top_k for r in k_rows]
+            top_vals = torch.topk(logits[k_rows], max(ks), dim=-1).values  # [K, k_max], sorted
+            kth = top_vals.gather(1, torch.tensor(ks, device=device).unsqueeze(1) - 1)  # [K, 1]
+            sub = logits[k_rows]
+            logits[k_rows] = sub.masked_fill(sub < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # [R, V]
+
+        p_rows = [r for r, p in enumerate(params) if p.top_p < 1.0]
+        if p_rows:
+            top_p = torch.tensor([params[r].top_p for r in p_rows], dtype=torch.float32,
+                                 device=device).unsqueeze(1)  # [P, 1]
+            sub = probs[p_rows]
+            probs[p_rows] = sub.masked_fill(_top_p_drop(sub, top_p), 0.0)
+
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        if bool((min_p > 0).any()):
+            max_prob = probs.max(dim=-1, keepdim=True).values  # [R, 1]
+            probs = probs.masked_fill(probs < min_p.unsqueeze(1) * max_prob, 0.0)
 
-        # Stable sort: among equal logits the lower id comes first, so top_k=1 == argmax.
-        sorted_logits, sorted_ids = torch.sort(logits / temp.unsqueeze(1), dim=-1,
-                                               descending=True, stable=True)  # [R, V] each
-        positions = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
-        sorted_logits = sorted_logits.masked_fill(positions >= top_k.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)  # [R, V], descending
-
-        # top-p: drop a token when the mass strictly ahead of it already reaches top_p.
-        # Rows with top_p == 1 skip this (rounding could otherwise cut the far tail).
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p.unsqueeze(1) < 1.0)
-        # min-p: relative to the most likely token (position 0); renormalising does not matter.
-        drop |= probs < (min_p * probs[:, 0]).unsqueeze(1)
-        probs = probs.masked_fill(drop, 0.0)
-
-        # Kept tokens form a prefix of the sorted order; sample by inverse CDF over it.
+        # Inverse CDF: the first token whose cumulative mass exceeds u * total. Zero-prob tokens
+        # never win (their cdf equals their predecessor's); if u * total rounds up to the total,
+        # take the last token with mass.
         cdf = torch.cumsum(probs, dim=-1)  # [R, V]
         target = self._uniforms(seqs).to(device=device, dtype=torch.float32) * cdf[:, -1]
         pick = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)  # [R]
-        last_kept = ((probs > 0).sum(dim=-1) - 1).clamp(min=0)  # guards u * total rounding up
-        pick = torch.minimum(pick, last_kept)
-        return sorted_ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+        last_kept = (probs > 0).cumsum(dim=-1).argmax(dim=-1)  # first index of the max count
+        return torch.minimum(pick, last_kept)
 
     # -- logprobs -----------------------------------------------------------------------------
 
