@@ -1,0 +1,188 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over the paged KV pool.
+
+All sequences of a step are flattened into one token batch of T tokens; every op below works
+on [T, ...] tensors, so there is no per-token or per-sequence Python here (that lives in the
+attention backend). Weight layout, chosen at load time for CPU throughput:
+
+  qkv_proj     one Linear, rows = [q (Hq*D) | k (Hkv*D) | v (Hkv*D)]   (q/k/v fused)
+  gate_up_proj one Linear, rows = [gate (I) | up (I)]                  (gate/up fused)
+
+RoPE is the "rotate half" (GPT-NeoX) form that Hugging Face checkpoints use; GGUF weights are
+un-permuted into that form by the GGUF loader. cos/sin are precomputed once for every position
+and gathered once per forward, then shared by all layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bucketserve.kernels.attention import AttentionBackend
+from bucketserve.models.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] float32, with the config's rope scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64,
+                                                           device="cpu").float() / d))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        # positions are divided by the factor, i.e. every frequency is
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        # Llama 3.1: wavelengths above old_len/low are slowed down by `factor`, those below
+        # old_len/high are kept, and the band in between is interpolated; the clamp of the
+        # interpolation weight to [0, 1] covers all three regions.
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        inv_freq = (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+    return inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden, **factory))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, **factory) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias, **factory)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, **factory)
+        self.attn_backend = attn_backend
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; cos/sin [T, 1, D/2] -> [T, H]."""
+        if self.k_cache is None:
+            raise RuntimeError("no KV cache bound: call model.bind_kv_cache(kv) before forward")
+        t = x.shape[0]
+        d = self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        # q and k rotated together, in place inside the qkv buffer: [T, Hq + Hkv, D]
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, d)
+        x1, x2 = qk[..., : d // 2], qk[..., d // 2:]
+        x1_orig = x1.clone()
+        x1.mul_(cos).addcmul_(x2, sin, value=-1.0)  # x1 cos - x2 sin
+        x2.mul_(cos).addcmul_(x1_orig, sin)  # x2 cos + x1 sin
+        q = qk[:, : self.num_heads]  # [T, Hq, D]
+        k = qk[:, self.num_heads:]  # [T, Hkv, D]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, d)
+        o = self.attn_backend.forward(q, k, v, self.k_cache, self.v_cache, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, **factory) -> None:
+        super().__init__()
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False, **factory)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)  # [T, 2I]
+        return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter:])
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, **factory) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.self_attn = LlamaAttention(config, attn_backend, **factory)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.mlp = LlamaMLP(config, **factory)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """h [T, H] is the residual stream; it is updated in place and returned."""
+        h += self.self_attn(self.input_layernorm(h), cos, sin)
+        h += self.mlp(self.post_attention_layernorm(h))
+        return h
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, **factory) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attn_backend, **factory) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T]) -> hidden [T, H] (final norm applied); call it
+    inside kernels.attention.forward_context(meta) after bind_kv_cache(kv)."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.config = config
+        self.attn_backend = attn_backend or AttentionBackend()
+        self.model = LlamaModel(config, self.attn_backend, **factory)
+        self.lm_head = (None if config.tie_word_embeddings else
+                        nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
+        # [max_pos, D]: cos in the first D/2 columns, sin in the last D/2
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        if torch.device(device or "cpu").type != "meta":
+            self.init_rope_cache()
+
+    def init_rope_cache(self) -> None:
+        """(Re)computes the cos/sin table on the weights' device and dtype. Needed after the
+        model was materialised from the meta device (to_empty / load_state_dict(assign=True))."""
+        w = self.model.embed_tokens.weight
+        inv_freq = rope_inv_freq(self.config).double()
+        pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float64, device="cpu")
+        freqs = torch.outer(pos, inv_freq)  # [max_pos, D/2]
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.cos_sin = table.to(device=w.device, dtype=w.dtype)
+
+    def bind_kv_cache(self, kv: torch.Tensor) -> None:
+        """kv: [num_layers, 2, num_blocks, block_size, Hkv, D]; layer l reads kv[l, 0/1]."""
+        c = self.config
+        if kv.dim() != 6 or kv.shape[0] != c.num_layers or kv.shape[1] != 2 \
+                or tuple(kv.shape[4:]) != (c.num_kv_heads, c.head_dim):
+            raise ValueError(
+                f"KV pool has shape {tuple(kv.shape)}; this model needs [{c.num_layers}, 2, "
+                f"num_blocks, block_size, {c.num_kv_heads}, {c.head_dim}]")
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.k_cache = kv[i, 0]
+            layer.self_attn.v_cache = kv[i, 1]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden [T, H]."""
+        h = self.model.embed_tokens(input_ids)  # [T, H], a fresh tensor: safe to update in place
+        half = self.config.head_dim // 2
+        cs = self.cos_sin[positions].unsqueeze(1)  # [T, 1, D]
+        cos, sin = cs[..., :half], cs[..., half:]
+        for layer in self.model.layers:
+            h = layer(h, cos, sin)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32 (only the rows passed in are projected)."""
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, w)
+        return logits if logits.dtype == torch.float32 else logits.float()

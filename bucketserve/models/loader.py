@@ -1,0 +1,176 @@
+"""load_model(name) -> LoadedModel: weights, tokenizer and config from a registered name, a
+Hugging Face directory or a .gguf file; build_dummy_model(config) for benchmarks.
+
+Models are built on the meta device and the checkpoint tensors are assigned in, so no memory
+is spent on a random initialisation that would be overwritten. q/k/v and gate/up are fused
+here (one copy at load time) to save GEMM launches at run time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bucketserve.kernels.attention import AttentionBackend, get_backend
+from bucketserve.models.config import ModelConfig
+from bucketserve.models.llama import LlamaForCausalLM
+from bucketserve.models.registry import resolve
+from bucketserve.models.tokenizer import Tokenizer
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    config: ModelConfig
+    name: str
+    max_model_len: int
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch floating dtype from a dtype or a name ("float32", "bf16", ...)."""
+    if isinstance(dtype, str):
+        key = dtype.lower().removeprefix("torch.")
+        if key in _DTYPES:
+            return _DTYPES[key]
+    elif dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return dtype
+    raise ValueError(
+        f"unsupported dtype {dtype!r}; use one of float32, bfloat16, float16")
+
+
+def load_model(name_or_path: str, device: torch.device | str = "cpu",
+               dtype: torch.dtype | str = torch.float32,
+               attn_backend: AttentionBackend | None = None) -> LoadedModel:
+    """Registered name ("smollm2-135m-instruct"), a Hugging Face directory or a .gguf path."""
+    dtype = resolve_dtype(dtype)
+    device = torch.device(device)
+    entry = resolve(name_or_path)
+    if entry.kind != "llm":
+        raise ValueError(
+            f"{entry.name!r} is an embedding model, not a text generator; serve it through the "
+            "embeddings endpoint (bucketserve.models.bert_loader)")
+    if entry.path.suffix == ".gguf":
+        from bucketserve.models.gguf_loader import read_gguf
+
+        contents = read_gguf(entry.path)
+        config, tensors, tokenizer = contents.config, contents.tensors, contents.tokenizer
+    else:
+        config, tensors = read_hf_dir(entry.path)
+        tokenizer = Tokenizer.from_hf_dir(entry.path)
+        if not tokenizer.eos_token_ids and config.eos_token_ids:
+            tokenizer.eos_token_ids = set(config.eos_token_ids)
+    backend = attn_backend or get_backend(device)
+    model = model_from_hf_tensors(config, tensors, device, dtype, backend)
+    return LoadedModel(model, tokenizer, config, entry.name, config.max_position_embeddings)
+
+
+def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """config.json + model.safetensors (or a sharded index) -> (config, HF-named tensors)."""
+    from safetensors import safe_open
+
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found; the model directory needs config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        config = ModelConfig.from_hf_dict(json.load(f))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"no model.safetensors or model.safetensors.index.json in {path}; save the model "
+            "with save_pretrained(dir, safe_serialization=True) (.bin checkpoints are not read)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        fp = path / name
+        if not fp.is_file():
+            raise FileNotFoundError(f"shard {fp} listed in the index is missing")
+        with safe_open(str(fp), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.startswith(("model.", "lm_head.")) and not key.endswith("inv_freq"):
+                    tensors[key] = f.get_tensor(key)
+    return config, tensors
+
+
+def fuse_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor],
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF parameter names -> this package's (q/k/v and gate/up concatenated along rows)."""
+    out: dict[str, torch.Tensor] = {}
+
+    def take(key: str) -> torch.Tensor:
+        if key not in tensors:
+            raise ValueError(f"checkpoint is missing tensor {key!r}")
+        return tensors.pop(key).to(dtype)
+
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.qkv_proj.weight"] = torch.cat(
+            [take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        if config.attention_bias:
+            out[p + "self_attn.qkv_proj.bias"] = torch.cat(
+                [take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        for key in ("self_attn.o_proj.weight", "mlp.down_proj.weight",
+                    "input_layernorm.weight", "post_attention_layernorm.weight"):
+            out[p + key] = take(p + key)
+    out["model.embed_tokens.weight"] = take("model.embed_tokens.weight")
+    out["model.norm.weight"] = take("model.norm.weight")
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    else:
+        out["lm_head.weight"] = take("lm_head.weight")
+    if tensors:
+        raise ValueError(f"checkpoint has tensors this model does not use: {sorted(tensors)[:5]}")
+    return out
+
+
+def model_from_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor],
+                          device: torch.device | str, dtype: torch.dtype,
+                          attn_backend: AttentionBackend | None = None) -> LlamaForCausalLM:
+    """Builds the model on the meta device and assigns the (fused) checkpoint tensors."""
+    fused = fuse_hf_tensors(config, dict(tensors), dtype)
+    model = LlamaForCausalLM(config, attn_backend, device="meta", dtype=dtype)
+    model.load_state_dict({k: v.to(device) for k, v in fused.items()}, strict=True, assign=True)
+    return _finish(model)
+
+
+def build_dummy_model(config: ModelConfig, device: torch.device | str = "cpu",
+                      dtype: torch.dtype | str = torch.float32,
+                      attn_backend: AttentionBackend | None = None,
+                      seed: int = 0) -> LlamaForCausalLM:
+    """Random weights (normal, std 0.02; norms 1) allocated directly in `dtype` on `device`."""
+    dtype = resolve_dtype(dtype)
+    model = LlamaForCausalLM(config, attn_backend or get_backend(device), device="meta",
+                             dtype=dtype)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return _finish(model)
+
+
+def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    model.init_rope_cache()
+    model.requires_grad_(False)
+    return model.eval()
+
