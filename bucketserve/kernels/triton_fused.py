@@ -1,0 +1,129 @@
+"""Triton kernels for the small fused ops of kernels/triton_ops.py (CUDA only).
+
+Each op is one launch in place of the 3-10 elementwise kernels torch runs; at decode
+batch sizes every one of those is a few microseconds even inside a CUDA graph. The
+rounding points mirror the Hugging Face Llama modules (see triton_ops.py), so fp32 runs
+match the torch versions to the last bit or so and bf16 runs to bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+                     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per row: h = x (+ residual); out = weight * (h * rsqrt(mean(h^2) + eps))
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the add rounds in model dtype
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n_cols
+    y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = y.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cache_ptr, stride_xt, stride_xh, stride_ot,
+                   stride_oh, stride_c, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr):
+    # one program per token, all heads: rotate-half ("neox") rotary, cache row = [cos | sin]
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    i = tl.arange(0, BLOCK_HALF)
+    cmask = i < HALF
+    cos = tl.load(cache_ptr + pos * stride_c + i, mask=cmask, other=0.0)
+    sin = tl.load(cache_ptr + pos * stride_c + HALF + i, mask=cmask, other=0.0)
+    mask = (h[:, None] < num_heads) & cmask[None, :]
+    base = x_ptr + t * stride_xt + h[:, None] * stride_xh + i[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    # HF casts cos/sin to the model dtype, then each product and the sum round there
+    cos = cos.to(x1.dtype).to(tl.float32)[None, :]
+    sin = sin.to(x1.dtype).to(tl.float32)[None, :]
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    a1 = (x1f * cos).to(x1.dtype).to(tl.float32)
+    b1 = (-x2f * sin).to(x1.dtype).to(tl.float32)
+    a2 = (x2f * cos).to(x1.dtype).to(tl.float32)
+    b2 = (x1f * sin).to(x1.dtype).to(tl.float32)
+    obase = out_ptr + t * stride_ot + h[:, None] * stride_oh + i[None, :]
+    tl.store(obase, (a1 + b1).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(obase + HALF, (a2 + b2).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    # x [T, 2I] = [gate | up] -> silu(gate) * up, grid (T, cdiv(I, BLOCK))
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu rounds to the model dtype first
+    out = act.to(tl.float32) * u.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x, residual [T, H] -> (normed [T, H], x + residual or None)."""
+    t, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if t == 0:
+        return out, res_out
+    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+    r = residual if residual is not None else x
+    ro = res_out if res_out is not None else out
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(t,)](x, r, weight, out, ro, x.stride(0), r.stride(0), out.stride(0),
+                           ro.stride(0), n, eps, HAS_RESIDUAL=residual is not None,
+                           BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return out, res_out
+
+
+def _rotary_one(x: torch.Tensor, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    t, h, d = x.shape
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    assert x.stride(2) == 1 and cos_sin_cache.stride(1) == 1
+    _rotary_kernel[(t,)](x, out, positions, cos_sin_cache, x.stride(0), x.stride(1),
+                         out.stride(0), out.stride(1), cos_sin_cache.stride(0), h,
+                         HALF=d // 2, BLOCK_H=triton.next_power_of_2(h),
+                         BLOCK_HALF=triton.next_power_of_2(d // 2))
+    return out
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hkv, D] -> rotated copies (contiguous)."""
+    return _rotary_one(q, positions, cos_sin_cache), _rotary_one(k, positions, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    t, two_i = x.shape
+    n = two_i // 2
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    assert x.stride(1) == 1
+    block = 1024
+    _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n,
+                                                     BLOCK=block, num_warps=4)
+    return out
