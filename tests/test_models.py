@@ -266,6 +266,89 @@ def test_smollm2_gguf_logits_match_transformers(smollm2, hf_smollm2):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+def write_tiny_gguf(path: Path, hf, arch: str) -> None:
+    """Writes an HF model as an F32 GGUF the way llama.cpp's converter lays it out (q/k rows
+    permuted for llama), with a small byte-level BPE vocabulary."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    c = hf.config
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    merged = ["Ġt", "he", "Ġthe"]
+    tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + merged
+    assert len(tokens) == c.vocab_size
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
+    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+             "output_norm.weight", "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, t in hf.state_dict().items():
+        if name not in names:
+            _, _, i, *mod, leaf = name.split(".")
+            names[name] = f"blk.{i}.{per_layer['.'.join(mod)]}.{leaf}"
+        heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(
+            names[name].split(".")[2] if names[name].startswith("blk.") else "")
+        if arch == "llama" and heads:  # llama.cpp: reshape(n_head, 2, D/2, ...), swap 1 and 2
+            t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).transpose(1, 2)
+            t = t.reshape(-1, *t.shape[3:])
+        w.add_tensor(names[name], t.detach().float().contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_gguf_logits_match_transformers(arch, tmp_path):
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=262, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+               tie_word_embeddings=False)
+    hf = (Qwen2ForCausalLM(Qwen2Config(**cfg)) if arch == "qwen2"
+          else LlamaForCausalLM(LlamaConfig(**cfg)))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight")
+                    else 0.15 * torch.randn_like(p))
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf, arch)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf",
+                                               dtype=torch.float32).eval()
+    ours = load_model(str(tmp_path / "tiny.gguf"))
+    assert ours.config.attention_bias == (arch == "qwen2")
+    assert not ours.config.tie_word_embeddings
+    tokens = ours.tokenizer.encode("<|im_start|>the theme then<|im_end|>")
+    assert tokens[0] == 1 and tokens[-1] == 2 and 261 in tokens  # specials kept whole, "Ġthe" merged
+    got = Pool(ours.model).step([(0, tokens, 0)])[0]
+    torch.testing.assert_close(got, hf_logits(ref, tokens), atol=1e-4, rtol=1e-4)
+    # and both equal the model the file was written from (the q/k reorder is undone exactly)
+    torch.testing.assert_close(got, hf_logits(hf.eval(), tokens), atol=1e-4, rtol=1e-4)
+
+
 def test_unpermute_inverts_llama_cpp_permutation():
     # llama.cpp's converter: reshape(n_head, 2, D/2, ...) -> swap axes 1, 2
     n_head, d, cols = 3, 8, 5
