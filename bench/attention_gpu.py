@@ -8,8 +8,9 @@ One run measures, on the current CUDA device (bf16, random data, scattered rando
      K/V (no paging) as a peer; each beside the KV-read bound (KV bytes / copy bandwidth);
   3. a small sweep of decode tile sizes and of prefill tile configs (prefill vs SDPA flash);
   4. the fused small ops of kernels/triton_ops.py vs the torch code the model runs now;
-  5. the whole model's decode step (dummy weights) eager and in a CUDA graph, beside the
-     bound (weights + KV read) / copy bandwidth, if bucketserve.models is importable.
+  5. the whole model's decode step (dummy weights) eager and through kernels/cuda_graphs.py
+     (input copies + replay + eager logits), beside the bound (weights + KV read) / copy
+     bandwidth, if bucketserve.models is importable.
 All GPU timings are CUDA-event medians; "graph" timings replay a CUDA graph holding the
 work several times, so they exclude launch overhead.
 
@@ -311,8 +312,35 @@ MODEL_SHAPES = {  # HF config fields of the two benchmark shapes (dummy weights)
 }
 
 
+def fused_forward(model, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """llama.py's forward rewritten over kernels/triton_ops.py (benchmark only): fused
+    residual-add + RMSNorm, one rotary kernel for q and k, fused SiLU-and-mul."""
+    m, eps = model.model, model.config.rms_norm_eps
+    t = ids.shape[0]
+    res = m.embed_tokens(ids)
+    x, _ = triton_ops.rms_norm(res, m.layers[0].input_layernorm.weight, eps)
+    delta = None
+    for i, layer in enumerate(m.layers):
+        a = layer.self_attn
+        if i:
+            x, res = triton_ops.rms_norm(delta, layer.input_layernorm.weight, eps, res)
+        qkv = a.qkv_proj(x)
+        q = qkv[:, : a.q_size].view(t, a.num_heads, a.head_dim)
+        k = qkv[:, a.q_size: a.q_size + a.kv_size].view(t, a.num_kv_heads, a.head_dim)
+        v = qkv[:, a.q_size + a.kv_size:].view(t, a.num_kv_heads, a.head_dim)
+        q, k = triton_ops.apply_rotary(q, k, pos, model.cos_sin)
+        o = a.attn_backend.forward(q, k, v, a.k_cache, a.v_cache, a.scale)
+        x, res = triton_ops.rms_norm(a.o_proj(o.reshape(t, a.q_size)),
+                                     layer.post_attention_layernorm.weight, eps, res)
+        delta = layer.mlp.down_proj(triton_ops.silu_and_mul(layer.mlp.gate_up_proj(x)))
+    h, _ = triton_ops.rms_norm(delta, m.norm.weight, eps, res)
+    return h
+
+
 def model_step_case(name: str, model, cfg, batch: int, ctx: int, bw: float,
                     gen: torch.Generator) -> None:
+    from bucketserve.kernels.cuda_graphs import DecodeGraphs
+
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     nb = batch * math.ceil(ctx / PAGE) + 1
     kv = torch.randn(cfg.num_layers, 2, nb, PAGE, cfg.num_kv_heads, cfg.head_dim,
@@ -322,16 +350,42 @@ def model_step_case(name: str, model, cfg, batch: int, ctx: int, bw: float,
     ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), ctx - 1, dtype=torch.long, device="cuda")
 
-    def step():
+    def eager_step():
         with torch.inference_mode(), forward_context(meta):
             model.compute_logits(model(ids, pos))
+
+    # DecodeGraphs as a runner would use it: copy the inputs in, replay, logits eagerly
+    graphs = DecodeGraphs(model, [batch], meta.block_tables.shape[1], cfg.max_position_embeddings,
+                          "cuda")
+    stats = graphs.capture()
+
+    def graph_step():
+        with torch.inference_mode():
+            model.compute_logits(graphs.run(ids, pos, meta))
     kv_read = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     bound_ms = (weight_bytes + kv_read) / bw * 1e3
-    t_eager = eager_ms(step, iters=10)
-    t_graph = graph_ms(step, reps=3, trials=10)
+    t_eager = eager_ms(eager_step, iters=10)
+    t_graph = eager_ms(graph_step, iters=20)
     record("model_step", model=name, batch=batch, ctx=ctx, eager_ms=t_eager,
            graph_ms=t_graph, bound_ms=bound_ms, graph_x_bound=t_graph / bound_ms,
-           eager_over_graph=t_eager / t_graph)
+           eager_over_graph=t_eager / t_graph, capture_s=stats.seconds,
+           graph_mib=stats.pool_bytes / 2**20)
+
+    # what the fused ops would give: both forwards captured the same way (no input copies)
+    def plain():
+        with torch.inference_mode(), forward_context(meta):
+            model.compute_logits(model(ids, pos))
+
+    def fused():
+        with torch.inference_mode(), forward_context(meta):
+            model.compute_logits(fused_forward(model, ids, pos))
+    with torch.inference_mode(), forward_context(meta):
+        kv0 = kv.clone()
+        diff = (model(ids, pos) - fused_forward(model, ids, pos)).abs().max().item()
+        kv.copy_(kv0)
+    t_plain, t_fused = graph_ms(plain, reps=3, trials=10), graph_ms(fused, reps=3, trials=10)
+    record("model_fused", model=name, batch=batch, graph_ms=t_plain, fused_graph_ms=t_fused,
+           speedup=t_plain / t_fused, max_abs_hidden_diff=diff)
 
 
 def bench_model_step(bw: float, gen: torch.Generator) -> None:

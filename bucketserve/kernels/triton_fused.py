@@ -35,33 +35,46 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cache_ptr, stride_xt, stride_xh, stride_ot,
-                   stride_oh, stride_c, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr):
-    # one program per token, all heads: rotate-half ("neox") rotary, cache row = [cos | sin]
-    t = tl.program_id(0)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+def _rotate_heads(x_ptr, out_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, cos, sin,
+                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr):
+    # token t, all heads: [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin]
     h = tl.arange(0, BLOCK_H)
     i = tl.arange(0, BLOCK_HALF)
-    cmask = i < HALF
-    cos = tl.load(cache_ptr + pos * stride_c + i, mask=cmask, other=0.0)
-    sin = tl.load(cache_ptr + pos * stride_c + HALF + i, mask=cmask, other=0.0)
-    mask = (h[:, None] < num_heads) & cmask[None, :]
+    mask = (h[:, None] < NUM_HEADS) & (i[None, :] < HALF)
     base = x_ptr + t * stride_xt + h[:, None] * stride_xh + i[None, :]
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
     # HF casts cos/sin to the model dtype, then each product and the sum round there
-    cos = cos.to(x1.dtype).to(tl.float32)[None, :]
-    sin = sin.to(x1.dtype).to(tl.float32)[None, :]
+    c = cos.to(x1.dtype).to(tl.float32)[None, :]
+    s = sin.to(x1.dtype).to(tl.float32)[None, :]
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    a1 = (x1f * cos).to(x1.dtype).to(tl.float32)
-    b1 = (-x2f * sin).to(x1.dtype).to(tl.float32)
-    a2 = (x2f * cos).to(x1.dtype).to(tl.float32)
-    b2 = (x1f * sin).to(x1.dtype).to(tl.float32)
+    a1 = (x1f * c).to(x1.dtype).to(tl.float32)
+    b1 = (-x2f * s).to(x1.dtype).to(tl.float32)
+    a2 = (x2f * c).to(x1.dtype).to(tl.float32)
+    b2 = (x1f * s).to(x1.dtype).to(tl.float32)
     obase = out_ptr + t * stride_ot + h[:, None] * stride_oh + i[None, :]
     tl.store(obase, (a1 + b1).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(obase + HALF, (a2 + b2).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cache_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh,
+                   stride_kot, stride_koh, stride_c,
+                   NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # one program per token rotates its q and k heads; cache row = [cos | sin] (fp32)
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cache_ptr + pos * stride_c + i, mask=i < HALF, other=0.0)
+    sin = tl.load(cache_ptr + pos * stride_c + HALF + i, mask=i < HALF, other=0.0)
+    _rotate_heads(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
+                  NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin,
+                  NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
 
 
 @triton.jit
@@ -96,24 +109,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, res_out
 
 
-def _rotary_one(x: torch.Tensor, positions: torch.Tensor,
-                cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    t, h, d = x.shape
-    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
-    if t == 0:
-        return out
-    assert x.stride(2) == 1 and cos_sin_cache.stride(1) == 1
-    _rotary_kernel[(t,)](x, out, positions, cos_sin_cache, x.stride(0), x.stride(1),
-                         out.stride(0), out.stride(1), cos_sin_cache.stride(0), h,
-                         HALF=d // 2, BLOCK_H=triton.next_power_of_2(h),
-                         BLOCK_HALF=triton.next_power_of_2(d // 2))
-    return out
-
-
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k [T, Hkv, D] -> rotated copies (contiguous)."""
-    return _rotary_one(q, positions, cos_sin_cache), _rotary_one(k, positions, cos_sin_cache)
+    """q [T, Hq, D], k [T, Hkv, D] (last dim contiguous) -> rotated copies, one launch."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
+    if t == 0:
+        return q_out, k_out
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin_cache.stride(1) == 1
+    _rotary_kernel[(t,)](q, k, q_out, k_out, positions, cos_sin_cache,
+                         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+                         cos_sin_cache.stride(0), NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv,
+                         HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq),
+                         BLOCK_HKV=triton.next_power_of_2(hkv),
+                         BLOCK_HALF=triton.next_power_of_2(d // 2))
+    return q_out, k_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
