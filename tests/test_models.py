@@ -455,6 +455,15 @@ def test_unsupported_rope_scaling_error():
         ModelConfig.from_hf_dict(d)
 
 
+def test_sliding_window_caps_the_context():
+    d = tiny_config_dict("MistralForCausalLM")
+    d.update(max_position_embeddings=32768, sliding_window=4096)
+    assert ModelConfig.from_hf_dict(d).max_position_embeddings == 4096
+    d = tiny_config_dict("Qwen2ForCausalLM")
+    d.update(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=False)
+    assert ModelConfig.from_hf_dict(d).max_position_embeddings == 32768
+
+
 def test_bad_dtype_error(tiny_llama_dir):
     with pytest.raises(ValueError, match="int8.*float32, bfloat16, float16"):
         load_model(str(tiny_llama_dir), dtype="int8")

@@ -77,6 +77,12 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         bias_default = SUPPORTED_ARCHITECTURES[arch]
+        max_pos = int(d.get("max_position_embeddings", 2048))
+        window = d.get("sliding_window")
+        if window and (arch == "MistralForCausalLM" or d.get("use_sliding_window")):
+            # Every layer attends to at most `window` positions; up to that length this is
+            # plain causal attention, which is all we implement, so cap the context there.
+            max_pos = min(max_pos, int(window))
         return cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
@@ -88,7 +94,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", bias_default)),
             bos_token_id=d.get("bos_token_id"),

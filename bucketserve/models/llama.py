@@ -103,7 +103,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)  # [T, 2I]
-        return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter:])
+        # silu(gate) is a fresh tensor, so the product can be taken in place
+        return self.down_proj(F.silu(gu[:, : self.inter]).mul_(gu[:, self.inter:]))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -154,7 +155,8 @@ class LlamaForCausalLM(nn.Module):
         model was materialised from the meta device (to_empty / load_state_dict(assign=True))."""
         w = self.model.embed_tokens.weight
         inv_freq = rope_inv_freq(self.config).double()
-        pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float64, device="cpu")
+        pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float64,
+                           device="cpu")
         freqs = torch.outer(pos, inv_freq)  # [max_pos, D/2]
         table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         self.cos_sin = table.to(device=w.device, dtype=w.dtype)
