@@ -2,9 +2,9 @@
 
 Two sources:
 - engine state and running totals (queue lengths, KV blocks, tokens, bucket steps,
-  preemptions) are read from `EngineStats` at scrape time by a custom collector, so a
+  preemptions, finished requests by reason: aborted ones too, whose client is gone) are read from `EngineStats` at scrape time by a custom collector, so a
   scrape always shows the value after the engine's latest step and nothing is counted twice;
-- per-request outcomes and latencies are observed by the server when a choice finishes,
+- per-request latencies are observed by the server when a choice finishes,
   from the engine's own timestamps in `RequestOutput.metrics` (monotonic seconds:
   arrival, first_scheduled, first_token, finished).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -58,15 +58,18 @@ class EngineStatsCollector(Collector):
         for (kind, bucket), count in sorted(snap["bucket_steps"].items()):
             steps.add_metric([kind, str(bucket)], count)
         yield steps
+        finished = CounterMetricFamily("bucketserve_request_success",
+                                       "Finished engine requests (one per choice) by finish reason.",
+                                       labels=["finish_reason"])
+        for reason, count in sorted(snap["finished"].items()):
+            finished.add_metric([reason], count)
+        yield finished
 
 
 class ServerMetrics:
     def __init__(self, get_stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(get_stats))
-        self.request_success = Counter(
-            "bucketserve_request_success", "Finished engine requests (one per choice) by reason.",
-            ["finish_reason"], registry=self.registry)
         self.ttft = Histogram(
             "bucketserve_time_to_first_token_seconds", "Arrival to first generated token.",
             buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -82,7 +85,6 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS, registry=self.registry)
 
     def observe_finished(self, out: RequestOutput) -> None:
-        self.request_success.labels(finish_reason=out.finish_reason or "unknown").inc()
         m = out.metrics
         arrival = m.get("arrival")
         if arrival is None:

@@ -1,0 +1,106 @@
+"""Starts a real `bucketserve serve` subprocess on a free localhost port (test helper).
+
+The server is the installed console script with the real default model (SmolLM2-135M-
+Instruct from its GGUF). Each launch takes the model load time, so test modules start one
+per configuration and share it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+STARTUP_LIMIT_S = 600.0  # model load on a busy 2-core machine; a bound, not a measurement
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command() -> list[str]:
+    script = Path(sys.executable).with_name("bucketserve")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from bucketserve.server.cli import main; sys.exit(main())"]
+
+
+@dataclass
+class LiveServer:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """Sample name (with labels) -> value, from GET /metrics."""
+        text = httpx.get(self.base_url + "/metrics", timeout=30).text
+        values = {}
+        for line in text.splitlines():
+            m = re.match(r"^([a-zA-Z_:][^ ]*) ([^ ]+)$", line)
+            if m:
+                values[m.group(1)] = float(m.group(2))
+        return values
+
+    def metric(self, name: str) -> float:
+        return self.metrics().get(name, 0.0)
+
+    def wait_for_metric(self, name: str, predicate, limit_s: float = 120.0) -> float:
+        """Polls /metrics until predicate(value) holds; fails with the last value after limit_s."""
+        deadline = time.monotonic() + limit_s
+        while True:
+            value = self.metric(name)
+            if predicate(value):
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} stayed at {value}")
+            time.sleep(0.05)
+
+    def stop(self, limit_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(limit_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(workdir: Path, name: str, buckets_toml: str, *extra_args: str) -> LiveServer:
+    workdir.mkdir(parents=True, exist_ok=True)
+    buckets = workdir / f"{name}.toml"
+    buckets.write_text(buckets_toml)
+    log_path = workdir / f"{name}.log"
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    args = [*command(), "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--buckets", str(buckets), "--embedding-model", "none", *extra_args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = LiveServer(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.base_url + "/health", timeout=5).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"server not healthy after {STARTUP_LIMIT_S} s:\n{server.log()}")
+        time.sleep(0.25)
