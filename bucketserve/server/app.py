@@ -37,7 +37,9 @@ ENGINE_STOP_S = 5.0  # what engine.shutdown gets once the HTTP side has drained
 
 
 class AddOn(Protocol):
-    """A router served next to the generation API (the embeddings service implements it)."""
+    """A router served next to the generation API (the embeddings service implements it).
+
+    Optional: a `metrics_collector` attribute (a prometheus Collector) is exported on /metrics."""
 
     router: APIRouter
     model_name: str
@@ -133,4 +135,7 @@ def create_app(ctx: ServerContext, api_key: str | None = None,
 
     for add_on in add_ons:
         app.include_router(add_on.router)
+        collector = getattr(add_on, "metrics_collector", None)
+        if collector is not None:
+            ctx.metrics.registry.register(collector)
     return app
