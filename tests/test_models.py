@@ -93,7 +93,7 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 
 
 def save_tiny(path: Path, hf_tokenizer, arch: str = "llama", tie: bool = False,
-              rope: dict | None = None):
+              rope: dict | None = None, extra: dict | None = None):
     """Saves a tiny random checkpoint to `path`; returns the transformers model (fp32)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -102,7 +102,8 @@ def save_tiny(path: Path, hf_tokenizer, arch: str = "llama", tie: bool = False,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=tie,
                   bos_token_id=hf_tokenizer.bos_token_id, eos_token_id=hf_tokenizer.eos_token_id,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **(rope or {})})
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **(rope or {})},
+                  **(extra or {}))
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
@@ -128,6 +129,7 @@ VARIANTS = {
                                             "original_max_position_embeddings": 64}),
     "rope-linear": dict(arch="llama", rope={"rope_type": "linear", "factor": 4.0}),
     "qwen2-bias": dict(arch="qwen2", tie=True),
+    "llama-all-biases": dict(arch="llama", extra={"attention_bias": True, "mlp_bias": True}),
 }
 
 
@@ -144,7 +146,8 @@ def test_config_read_from_checkpoint(tiny_pair):
     c = ours.config
     assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (64, 2, 4, 2, 16)
     assert c.tie_word_embeddings == hf.config.tie_word_embeddings
-    assert c.attention_bias == (name == "qwen2-bias")
+    assert c.attention_bias == (name in ("qwen2-bias", "llama-all-biases"))
+    assert c.o_proj_bias == c.mlp_bias == (name == "llama-all-biases")
     kind = (c.rope_scaling or {}).get("rope_type", "default")
     assert kind == hf.config.rope_parameters["rope_type"]
     assert ours.max_model_len == 256

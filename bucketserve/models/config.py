@@ -40,10 +40,12 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projections have a bias
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
+    o_proj_bias: bool = False  # HF Llama with attention_bias=True biases o_proj too (Qwen2 does not)
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -77,6 +79,7 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         bias_default = SUPPORTED_ARCHITECTURES[arch]
+        qkv_bias = bool(d.get("attention_bias", bias_default))
         max_pos = int(d.get("max_position_embeddings", 2048))
         window = d.get("sliding_window")
         if window and (arch == "MistralForCausalLM" or d.get("use_sliding_window")):
@@ -96,10 +99,12 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", bias_default)),
+            attention_bias=qkv_bias,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
+            o_proj_bias=qkv_bias and arch != "Qwen2ForCausalLM",
+            mlp_bias=bool(d.get("mlp_bias", False)),
         )
 
 

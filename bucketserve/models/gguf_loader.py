@@ -118,6 +118,8 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in (eos, eot) if i is not None)),
         architecture=GGUF_ARCHITECTURES[arch][0],
+        o_proj_bias="blk.0.attn_output.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in tensor_names,
     )
 
 

@@ -69,7 +69,8 @@ class LlamaAttention(nn.Module):
         self.scale = config.head_dim ** -0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias, **factory)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, **factory)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias,
+                                **factory)
         self.attn_backend = attn_backend
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
         self.v_cache: torch.Tensor | None = None
@@ -98,8 +99,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, **factory) -> None:
         super().__init__()
         self.inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False, **factory)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False, **factory)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias,
+                                      **factory)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=config.mlp_bias,
+                                   **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)  # [T, 2I]

@@ -124,8 +124,15 @@ def fuse_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor],
                 [take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
         out[p + "mlp.gate_up_proj.weight"] = torch.cat(
             [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-        for key in ("self_attn.o_proj.weight", "mlp.down_proj.weight",
-                    "input_layernorm.weight", "post_attention_layernorm.weight"):
+        keys = ["self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                "post_attention_layernorm.weight"]
+        if config.o_proj_bias:
+            keys.append("self_attn.o_proj.bias")
+        if config.mlp_bias:
+            out[p + "mlp.gate_up_proj.bias"] = torch.cat(
+                [take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+            keys.append("mlp.down_proj.bias")
+        for key in keys:
             out[p + key] = take(p + key)
     out["model.embed_tokens.weight"] = take("model.embed_tokens.weight")
     out["model.norm.weight"] = take("model.norm.weight")
