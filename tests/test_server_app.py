@@ -128,6 +128,13 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = None) ->
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
     ({}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": "hi", "seed": 2**70}, "seed"),
+    ({"prompt": "hi", "n": True}, "n"),
+    ({"prompt": "hi", "max_tokens": 3.0}, "max_tokens"),
+    ({"prompt": "hi", "stream": "yes"}, "stream"),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "hi", "best_of": 3}, "best_of"),
 ])
 def test_bad_completion_requests_get_400_and_an_openai_error_body(client, body, param) -> None:
     assert_error(client.post("/v1/completions", json=body), 400, param)

@@ -75,6 +75,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"request body is not valid JSON ({detail})", None
     if first.get("type") == "missing" and not loc:
         return "request body is missing; send a JSON object", None
+    if loc and loc[0] == "prompt":  # a union: pydantic's per-member errors read poorly
+        return ("prompt must be a string, a list of strings, a list of token ids, or a list "
+                "of token-id lists"), "prompt"
+    if len(loc) >= 3 and loc[0] == "messages" and loc[2] == "content":
+        return (f"messages[{loc[1]}].content must be a string or a list of text parts "
+                '({"type": "text", "text": ...}); only text is supported'), "messages"
     where = ".".join(loc)
     msg = first.get("msg", "invalid value")
     if where:

@@ -15,13 +15,20 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from bucketserve.server.errors import invalid_request
 
 MAX_N = 128  # choices per request; more is almost surely a client bug
 MAX_LOGPROBS = 20  # the engine's sampler returns at most 20 alternatives
 MAX_STOP_STRINGS = 16
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as torch.Generator.manual_seed takes
+
+# Strict scalars: "5", 5.0 or true are type errors for an integer field, as in OpenAI's API
+# (a float field still takes an integer).
+Int = StrictInt
+Float = StrictFloat
+Bool = StrictBool
 
 
 def new_id(prefix: str) -> str:
@@ -37,34 +44,34 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the served model
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: Int | None = Field(default=None, ge=1)
+    temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
+    n: Int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: Int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extensions
-    top_k: int = Field(default=-1, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
-    min_tokens: int = Field(default=0, ge=0)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    priority: int = 0  # lower value is admitted first
+    top_k: Int = Field(default=-1, ge=-1)
+    min_p: Float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: Float = Field(default=1.0, gt=0.0, le=2.0)
+    min_tokens: Int = Field(default=0, ge=0)
+    ignore_eos: Bool = False
+    stop_token_ids: list[Int] | None = None
+    skip_special_tokens: Bool = True
+    priority: Int = 0  # lower value is admitted first
 
     def check(self) -> None:
         """Cross-field rules; raises APIError(400) naming the field."""
@@ -89,15 +96,15 @@ class SamplingFields(_Request):
 
 
 # A prompt is text, a batch of texts, token ids, or a batch of token-id lists.
-PromptInput = str | list[str] | list[int] | list[list[int]]
+PromptInput = str | list[str] | list[Int] | list[list[Int]]
 
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=16, ge=1)
+    echo: Bool = False
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: Int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
     def check(self) -> None:
@@ -132,9 +139,9 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)  # OpenAI's newer name
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
 
     def check(self) -> None:
