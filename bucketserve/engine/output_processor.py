@@ -32,10 +32,15 @@ class RequestState:
         return emit
 
     def flush(self) -> str:
-        """At the end of a sequence, text held back as a possible stop-string prefix."""
-        if self.stops is None or self.stop_matched:
+        """At the end of a sequence: text the detokenizer held back (a truncated character)
+        and text held back as a possible stop-string prefix."""
+        tail = self.detok.flush()
+        if self.stops is None:
+            return tail
+        if self.stop_matched:
             return ""
-        return self.stops.flush()
+        emit, self.stop_matched = self.stops.feed(tail)
+        return emit if self.stop_matched else emit + self.stops.flush()
 
 
 class OutputProcessor:
