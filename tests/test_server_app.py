@@ -186,6 +186,14 @@ def test_api_key_guards_v1_routes_only(engine) -> None:
         assert c.get("/metrics").status_code == 200
 
 
+def test_health_is_503_when_the_engine_loop_is_not_running(engine) -> None:
+    with TestClient(create_app(ServerContext(engine))) as c:
+        assert c.get("/health").status_code == 200
+        engine.alive = False
+        resp = c.get("/health")
+        assert resp.status_code == 503 and resp.json()["status"] == "engine loop not running"
+
+
 def test_queue_full_is_503_with_retry_after() -> None:
     engine = ScriptedEngine(max_waiting=0)
     with TestClient(create_app(ServerContext(engine))) as c:

@@ -115,6 +115,31 @@ def test_priority_changes_admission_order(contended) -> None:
     assert events.index(("high", "done")) < events.index(("low", "first token")), events
 
 
+def test_a_client_leaving_while_queued_is_dropped_from_the_queue(contended) -> None:
+    abort = 'bucketserve_request_success_total{finish_reason="abort"}'
+
+    async def queued_stream(c: httpx.AsyncClient) -> None:
+        body = {"prompt": PROMPT, "max_tokens": 4, "stream": True}
+        async with c.stream("POST", "/v1/completions", json=body) as resp:
+            await resp.aread()
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=contended.base_url, timeout=300) as c:
+            async with c.stream("POST", "/v1/completions", json=BLOCKER) as blocker:
+                _reader = await blocker_running(c, blocker)
+                aborted = await metric(c, abort)
+                task = asyncio.create_task(queued_stream(c))
+                await wait_metric(c, "bucketserve_requests_waiting", lambda v: v == 1)
+                task.cancel()  # closes its connection before any byte of the response
+                await asyncio.gather(task, return_exceptions=True)
+                await wait_metric(c, "bucketserve_requests_waiting", lambda v: v == 0)
+                assert await metric(c, abort) == aborted + 1
+                assert await metric(c, "bucketserve_requests_running") == 1  # blocker untouched
+            await wait_metric(c, "bucketserve_kv_blocks_used", lambda v: v == 0)
+
+    asyncio.run(scenario())
+
+
 def test_past_max_waiting_the_server_answers_503_with_retry_after(contended) -> None:
     async def waiter(c: httpx.AsyncClient) -> int:
         r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
