@@ -24,7 +24,7 @@ from bucketserve.models import (
     resolve,
 )
 from bucketserve.models import registry as registry_mod
-from bucketserve.models.gguf_loader import unpermute_rows
+from bucketserve.models.gguf_loader import read_gguf_file, unpermute_rows
 from bucketserve.models.tokenizer import Tokenizer
 
 BLOCK_SIZE = 4
@@ -269,9 +269,10 @@ def test_smollm2_gguf_logits_match_transformers(smollm2, hf_smollm2):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-def write_tiny_gguf(path: Path, hf, arch: str) -> None:
-    """Writes an HF model as an F32 GGUF the way llama.cpp's converter lays it out (q/k rows
-    permuted for llama), with a small byte-level BPE vocabulary."""
+def write_tiny_gguf(path: Path, hf, arch: str, quantized: bool) -> None:
+    """Writes an HF model as a GGUF the way llama.cpp's converter lays it out (q/k rows
+    permuted for llama), with a small byte-level BPE vocabulary. quantized: matrices in Q8_0
+    (attention, embedding) and Q4_1 (MLP) instead of F32."""
     import gguf
     from tokenizers import pre_tokenizers
 
@@ -311,15 +312,21 @@ def write_tiny_gguf(path: Path, hf, arch: str) -> None:
         if arch == "llama" and heads:  # llama.cpp: reshape(n_head, 2, D/2, ...), swap 1 and 2
             t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).transpose(1, 2)
             t = t.reshape(-1, *t.shape[3:])
-        w.add_tensor(names[name], t.detach().float().contiguous().numpy())
+        arr = t.detach().float().contiguous().numpy()
+        if quantized and arr.ndim == 2:
+            qtype = (gguf.GGMLQuantizationType.Q4_1 if ".ffn_" in names[name]
+                     else gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(names[name], gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(names[name], arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tiny_gguf_logits_match_transformers(arch, tmp_path):
+@pytest.mark.parametrize("arch,quantized", [("llama", False), ("llama", True), ("qwen2", True)])
+def test_tiny_gguf_logits_match_transformers(arch, quantized, tmp_path):
     from transformers import (
         AutoModelForCausalLM,
         LlamaConfig,
@@ -338,7 +345,7 @@ def test_tiny_gguf_logits_match_transformers(arch, tmp_path):
         for name, p in hf.named_parameters():
             p.copy_(1.0 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight")
                     else 0.15 * torch.randn_like(p))
-    write_tiny_gguf(tmp_path / "tiny.gguf", hf, arch)
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf, arch, quantized)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf",
                                                dtype=torch.float32).eval()
     ours = load_model(str(tmp_path / "tiny.gguf"))
@@ -348,8 +355,25 @@ def test_tiny_gguf_logits_match_transformers(arch, tmp_path):
     assert tokens[0] == 1 and tokens[-1] == 2 and 261 in tokens  # specials kept whole, "Ġthe" merged
     got = Pool(ours.model).step([(0, tokens, 0)])[0]
     torch.testing.assert_close(got, hf_logits(ref, tokens), atol=1e-4, rtol=1e-4)
-    # and both equal the model the file was written from (the q/k reorder is undone exactly)
-    torch.testing.assert_close(got, hf_logits(hf.eval(), tokens), atol=1e-4, rtol=1e-4)
+    if not quantized:  # both equal the model the file was written from: the q/k reorder is undone
+        torch.testing.assert_close(got, hf_logits(hf.eval(), tokens), atol=1e-4, rtol=1e-4)
+    check_parser_against_gguf_reader(tmp_path / "tiny.gguf")
+
+
+def check_parser_against_gguf_reader(path: Path) -> None:
+    """Our header parser reads the same metadata and tensor bytes as gguf.GGUFReader."""
+    import gguf
+    import numpy as np
+
+    meta, tensors = read_gguf_file(path)
+    reader = gguf.GGUFReader(str(path))
+    expected = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert meta == expected
+    assert [t.name for t in tensors] == [t.name for t in reader.tensors]
+    for ours, ref in zip(tensors, reader.tensors, strict=True):
+        assert ours.qtype == ref.tensor_type
+        assert ours.data.dtype == ref.data.dtype and ours.data.shape == ref.data.shape
+        assert np.array_equal(ours.data, ref.data), ours.name
 
 
 def test_unpermute_inverts_llama_cpp_permutation():

@@ -48,10 +48,34 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+# The modules below allocate their parameters with torch.empty and never initialise them: the
+# loaders assign checkpoint tensors (or random ones, build_dummy_model), and skipping
+# nn.Linear's kaiming init saves seconds per load (and a slow first meta-device init).
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim, **factory))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float, **factory) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden, **factory))
+        self.weight = nn.Parameter(torch.empty(hidden, **factory))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,9 +91,9 @@ class LlamaAttention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias, **factory)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias,
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias,
                                 **factory)
         self.attn_backend = attn_backend
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
@@ -99,9 +123,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, **factory) -> None:
         super().__init__()
         self.inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias,
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias,
                                       **factory)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=config.mlp_bias,
+        self.down_proj = Linear(self.inter, config.hidden_size, bias=config.mlp_bias,
                                    **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +152,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, **factory) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, **factory)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, attn_backend, **factory) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
@@ -136,7 +160,10 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T]) -> hidden [T, H] (final norm applied); call it
-    inside kernels.attention.forward_context(meta) after bind_kv_cache(kv)."""
+    inside kernels.attention.forward_context(meta) after bind_kv_cache(kv).
+
+    Constructed directly, the parameters are uninitialised: use loader.load_model or
+    loader.build_dummy_model to get weights."""
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None,
                  device: torch.device | str | None = None,
@@ -147,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend = attn_backend or AttentionBackend()
         self.model = LlamaModel(config, self.attn_backend, **factory)
         self.lm_head = (None if config.tie_word_embeddings else
-                        nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
+                        Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
         # [max_pos, D]: cos in the first D/2 columns, sin in the last D/2
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         if torch.device(device or "cpu").type != "meta":

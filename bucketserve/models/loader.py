@@ -161,9 +161,8 @@ def build_dummy_model(config: ModelConfig, device: torch.device | str = "cpu",
                       seed: int = 0) -> LlamaForCausalLM:
     """Random weights (normal, std 0.02; norms 1) allocated directly in `dtype` on `device`."""
     dtype = resolve_dtype(dtype)
-    model = LlamaForCausalLM(config, attn_backend or get_backend(device), device="meta",
+    model = LlamaForCausalLM(config, attn_backend or get_backend(device), device=device,
                              dtype=dtype)
-    model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
