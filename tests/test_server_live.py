@@ -433,3 +433,14 @@ def test_metrics_exposes_every_required_series(server, client, model) -> None:
 def test_server_log_reports_model_load_and_buckets(server) -> None:
     log = server.log()
     assert "loaded in" in log and "buckets prepared" in log and "warm-up done" in log
+
+
+def test_prompts_are_tokenized_and_templated_as_transformers_does(client, model, hf_tokenizer) -> None:
+    """usage.prompt_tokens against transformers' own tokenizer and chat template (the oracle)."""
+    resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0)
+    assert resp.usage.prompt_tokens == len(hf_tokenizer(PROMPT)["input_ids"])
+    messages = [{"role": "system", "content": "Be brief."}, *CHAT]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=1,
+                                          temperature=0)
+    text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat.usage.prompt_tokens == len(hf_tokenizer(text, add_special_tokens=False)["input_ids"])
