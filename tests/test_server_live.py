@@ -444,3 +444,16 @@ def test_prompts_are_tokenized_and_templated_as_transformers_does(client, model,
                                           temperature=0)
     text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert chat.usage.prompt_tokens == len(hf_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_greedy_text_through_the_server_equals_transformers_generate(
+        client, model, hf_tokenizer, hf_smollm2) -> None:
+    """The whole path (tokenize, engine, detokenize, JSON) against transformers' generate."""
+    import torch
+
+    resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0)
+    ids = hf_tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = hf_smollm2.generate(ids, max_new_tokens=10, do_sample=False)
+    expected = hf_tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert resp.choices[0].text == expected
