@@ -93,7 +93,7 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 
 
 def save_tiny(path: Path, hf_tokenizer, arch: str = "llama", tie: bool = False,
-              rope: dict | None = None, extra: dict | None = None):
+              rope: dict | None = None, extra: dict | None = None, sharded: bool = False):
     """Saves a tiny random checkpoint to `path`; returns the transformers model (fp32)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -116,14 +116,15 @@ def save_tiny(path: Path, hf_tokenizer, arch: str = "llama", tie: bool = False,
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
-    model.save_pretrained(path)
+    model.save_pretrained(path, max_shard_size="4MB" if sharded else "50GB")
+    assert (path / "model.safetensors.index.json").is_file() == sharded
     hf_tokenizer.save_pretrained(path)
     return model.eval()
 
 
 VARIANTS = {
     "llama-untied": dict(arch="llama"),
-    "llama-tied": dict(arch="llama", tie=True),
+    "llama-tied-sharded": dict(arch="llama", tie=True, sharded=True),
     "rope-llama3": dict(arch="llama", rope={"rope_type": "llama3", "factor": 8.0,
                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                             "original_max_position_embeddings": 64}),
