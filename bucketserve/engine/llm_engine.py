@@ -16,7 +16,7 @@ from bucketserve.buckets import BucketsConfig, BucketSpec, load_buckets
 from bucketserve.engine.block_manager import BlockManager
 from bucketserve.engine.output_processor import OutputProcessor
 from bucketserve.engine.outputs import QueueFullError, RequestOutput
-from bucketserve.engine.runner import ModelRunner, kv_bytes_per_block
+from bucketserve.engine.runner import ModelRunner, gpu_kv_budget_blocks, kv_bytes_per_block
 from bucketserve.engine.sampler import Sampler
 from bucketserve.engine.scheduler import Scheduler
 from bucketserve.engine.sequence import FinishReason, SamplingParams, Sequence
@@ -35,8 +35,9 @@ class RequestError(ValueError):
 
 class LLMEngine:
     def __init__(self, loaded, buckets: BucketsConfig, device: str | torch.device = "cpu",
-                 num_blocks: int | None = None) -> None:
-        """`loaded` is a models.LoadedModel; `num_blocks` overrides the KV budget (tests)."""
+                 num_blocks: int | None = None, cuda_graphs: bool = True) -> None:
+        """`loaded` is a models.LoadedModel; `num_blocks` overrides the KV budget (tests);
+        `cuda_graphs` (CUDA only) captures one decode graph per decode batch size."""
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -63,6 +64,11 @@ class LLMEngine:
         sampler = Sampler(self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                   num_blocks, buckets.block_size, self.device, dtype, sampler)
+        self.cuda_info: dict = {}
+        if self.device.type == "cuda":
+            self.cuda_info = self.runner.setup_cuda(
+                buckets.max_running, buckets.max_batched_tokens, self.max_model_len,
+                list(buckets.decode_batch_sizes), use_cuda_graphs=cuda_graphs)
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self.stats.kv_blocks_total = self.block_manager.num_usable_blocks
@@ -79,13 +85,17 @@ class LLMEngine:
         return cls(loaded, buckets, device)
 
     def _budget_blocks(self, per_block: int) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1.0 - self.buckets.gpu_memory_fraction) * total
-        else:
-            budget = self.buckets.cpu_memory_gib * 2**30
         # No point in more blocks than the running sequences can ever fill.
         useful = self.buckets.max_running * -(-self.max_model_len // self.buckets.block_size) + 1
+        if self.device.type == "cuda":
+            # sized after a warm-up forward at the largest step (runner.gpu_kv_budget_blocks)
+            cfg, b = self.loaded.config, self.buckets
+            blocks, _ = gpu_kv_budget_blocks(
+                self.loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b.block_size,
+                next(self.loaded.model.parameters()).dtype, b.max_batched_tokens, b.max_running,
+                self.max_model_len, b.gpu_memory_fraction, self.device)
+            return max(2, min(blocks, useful))
+        budget = self.buckets.cpu_memory_gib * 2**30
         return max(2, min(int(budget // per_block), useful))
 
     # ---- requests ----------------------------------------------------------------------

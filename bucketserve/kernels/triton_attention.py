@@ -227,7 +227,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     without cutting the context into chunks shorter than `min_tokens_per_split`."""
     want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
     by_len = triton.cdiv(max(1, max_seq_len), min_tokens_per_split)
-    return max(1, min(want, by_len, max_splits))
+    n = max(1, min(want, by_len, max_splits))
+    # rounded down to a power of two: NUM_SPLITS is a compile-time constant, so this keeps
+    # the kernel variants to a handful that warm_up() compiles before serving (one compile
+    # per new count in the middle of a run cost ~30 ms a step on the H200)
+    return 1 << (n.bit_length() - 1)
 
 
 def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -324,6 +328,30 @@ class TritonAttentionBackend(AttentionBackend):
             self._sms[device] = _num_sms(device)
         return choose_num_splits(meta.num_decodes, num_kv_heads, meta.max_seq_len,
                                  self._sms[device], self.max_splits)
+
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                table_width: int) -> None:
+        """Compiles the kernel variants a serving run can need, before it starts: decode for
+        every split count num_splits() can return (powers of two up to max_splits), prefill
+        after 0, 1, 2 and 16 decodes (Triton specialises integer arguments equal to 1 or
+        divisible by 16). Reads and writes only the dummy block 0. table_width: the block
+        tables' row stride used when serving."""
+        dev, dtype, d = k_cache.device, k_cache.dtype, k_cache.shape[3]
+        splits, s = [], 1
+        while s <= (self.decode_splits or self.max_splits):
+            splits.append(s)
+            s *= 2
+        for first in (0, 1, 2, 16):
+            n = first + 1  # `first` decodes and one prefill of 2 tokens
+            q = torch.zeros(first + 2, num_heads, d, dtype=dtype, device=dev)
+            out = torch.empty_like(q)
+            tables = torch.zeros(n, table_width, dtype=torch.int32, device=dev)
+            lens = torch.full((n,), 2, dtype=torch.int32, device=dev)
+            qsl = torch.tensor([*range(first + 1), first + 2], dtype=torch.int32, device=dev)
+            for sp in splits if first else []:
+                paged_decode(q, k_cache, v_cache, tables, lens, first, 1.0, out, num_splits=sp)
+            paged_prefill(q, k_cache, v_cache, tables, lens, qsl, first, n, 2, 1.0, out)
+        torch.cuda.synchronize(dev)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
