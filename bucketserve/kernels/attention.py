@@ -85,54 +85,75 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     return cache[block_table[:nblocks]].flatten(0, 1)[:length]
 
 
+def _length_groups(lens: list[int], slack: float = 1.25) -> list[list[int]]:
+    """Decode rows sorted by context length and cut into groups whose longest context is at
+    most `slack` times their shortest (plus one), so padding inside a group stays small."""
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lens[i] <= slack * lens[groups[-1][0]] + 1:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """q, out: [nd, Hq, D]. Rows of similar context length share one SDPA call.
+
+    Grouped-query heads need no copy of K/V: query head h belongs to kv head h // G, so q is
+    viewed as [n, Hkv, G, D], the G heads of a group playing the part of query positions.
+    """
+    nd, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    lens = meta.seq_lens_cpu[:nd]
+    for rows in _length_groups(lens):
+        n = len(rows)
+        idx = torch.tensor(rows, device=q.device)
+        max_len = lens[rows[-1]]
+        nblocks = (max_len + bs - 1) // bs
+        tables = meta.block_tables[idx, :nblocks]
+        # [n, nblocks, bs, Hkv, D] -> [n, Hkv, L, D]
+        k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).to(q.dtype)
+        v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).to(q.dtype)
+        mask = None
+        if lens[rows[0]] != max_len:
+            lens_t = torch.tensor([lens[r] for r in rows], device=q.device)
+            mask = (torch.arange(max_len, device=q.device)[None, :] < lens_t[:, None])[:, None, None, :]
+        qg = q[idx].view(n, hkv, hq // hkv, d)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        out[idx] = o.reshape(n, hq, d)
+
+
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Torch reference over the pool (K/V already written). q: [T, Hq, D] -> [T, Hq, D].
-
-    Decodes are batched into one padded SDPA call; each prefill is one causal SDPA call.
-    """
+    """Torch reference over the pool (K/V already written). q: [T, Hq, D] -> [T, Hq, D]."""
     out = torch.empty_like(q)
     hq, hkv = q.shape[1], k_cache.shape[2]
     group = hq // hkv
     nd = meta.num_decodes
     if nd:
-        lens = meta.seq_lens_cpu[:nd]
-        max_len = max(lens)
-        bs = k_cache.shape[1]
-        nblocks = (max_len + bs - 1) // bs
-        tables = meta.block_tables[:nd, :nblocks]
-        # [nd, nblocks*bs, Hkv, D] -> [nd, Hkv, L, D]
-        k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-        v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        lens_t = torch.tensor(lens, device=q.device)
-        mask = torch.arange(max_len, device=q.device)[None, :] < lens_t[:, None]  # [nd, L]
-        qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
-        o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype),
-                                           attn_mask=mask[:, None, None, :], scale=scale)
-        out[:nd] = o.squeeze(2)
+        _decode_attention(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
     start = nd
     for s in range(nd, meta.num_seqs):
         qlen, klen = meta.query_lens_cpu[s], meta.seq_lens_cpu[s]
         table = meta.block_tables[s]
-        k = _gather_context(k_cache, table, klen).transpose(0, 1)  # [Hkv, klen, D]
-        v = _gather_context(v_cache, table, klen).transpose(0, 1)
+        k, v = _gather_context(k_cache, table, klen), _gather_context(v_cache, table, klen)
+        # 4-d [1, H, L, D] inputs take the CPU flash kernel; 3-d ones fall back to plain math.
+        k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
         if group > 1:
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
-        qs = q[start:start + qlen].transpose(0, 1)  # [Hq, qlen, D]
+        qs = q[start:start + qlen].transpose(0, 1)[None]  # [1, Hq, qlen, D]
         if qlen == klen:
-            o = F.scaled_dot_product_attention(qs, k.to(q.dtype), v.to(q.dtype),
-                                               is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qs, k[None], v[None], is_causal=True, scale=scale)
         else:
             # chunk of a longer context: query i sits at position klen - qlen + i
             qpos = torch.arange(klen - qlen, klen, device=q.device)
             mask = torch.arange(klen, device=q.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(qs, k.to(q.dtype), v.to(q.dtype),
-                                               attn_mask=mask, scale=scale)
-        out[start:start + qlen] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, k[None], v[None], attn_mask=mask, scale=scale)
+        out[start:start + qlen] = o[0].transpose(0, 1)
         start += qlen
     return out
 
