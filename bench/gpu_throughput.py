@@ -29,6 +29,7 @@ import pstats
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,19 +82,36 @@ def word_tokenizer(vocab: int) -> Tokenizer:
 
 
 def make_engine(shape: str, device: str, dtype: torch.dtype, cuda_graphs: bool,
-                tokenizer: Tokenizer, fused_ops: bool = True) -> LLMEngine:
+                tokenizer: Tokenizer, fused_ops: bool = True,
+                max_batched_tokens: int | None = None, tmp_dir: str = "/tmp") -> LLMEngine:
     cfg = ModelConfig(**SHAPES[shape], max_position_embeddings=MAX_MODEL_LEN, rope_theta=100000.0,
                       tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
     model = build_dummy_model(cfg, device, dtype, seed=0)
     model.fused_ops = fused_ops  # before the graphs are captured
     loaded = LoadedModel(model, tokenizer, cfg, shape, MAX_MODEL_LEN)
-    buckets = load_buckets(None, max_model_len=MAX_MODEL_LEN)
+    path = None  # the default TOML, or it with a larger step token budget
+    if max_batched_tokens:
+        path = Path(tmp_dir) / f"buckets_{max_batched_tokens}.toml"
+        path.write_text(f"[scheduler]\nmax_batched_tokens = {max_batched_tokens}\n")
+    buckets = load_buckets(str(path) if path else None, max_model_len=MAX_MODEL_LEN)
     return LLMEngine(loaded, buckets, device, cuda_graphs=cuda_graphs)
 
 
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def kind_summary(steps) -> dict[str, dict]:
+    """Engine step stats grouped by step kind (prefill / mixed / decode)."""
+    kinds: dict[str, dict] = {}
+    for s in steps:
+        k = kinds.setdefault(s.kind, {"steps": 0, "seconds": 0.0, "seqs": 0, "tokens": 0})
+        k["steps"] += 1
+        k["seconds"] += s.step_time_s
+        k["seqs"] += s.num_seqs
+        k["tokens"] += s.computed_tokens
+    return kinds
 
 
 def run_bucketserve(engine: LLMEngine, reqs, device: str, profile: bool = False) -> dict:
@@ -112,6 +130,12 @@ def run_bucketserve(engine: LLMEngine, reqs, device: str, profile: bool = False)
     dt = time.perf_counter() - t0
     steps = list(engine.stats.recent)[steps_before - engine.stats.num_steps:]
     timing = dict(engine.runner.step_timing)
+    t1 = time.perf_counter()  # the same run again: run-to-run spread
+    n_before = engine.stats.num_steps
+    again = engine.generate(prompts, params)
+    sync(device)
+    repeat_tok_s = sum(o.num_output_tokens for o in again) / (time.perf_counter() - t1)
+    repeat_kinds = kind_summary(list(engine.stats.recent)[n_before - engine.stats.num_steps:])
     prof = None
     if profile:
         prof = cProfile.Profile()
@@ -119,15 +143,11 @@ def run_bucketserve(engine: LLMEngine, reqs, device: str, profile: bool = False)
         engine.generate(prompts, params)
         prof.disable()
     ntok = sum(o.num_output_tokens for o in outs)
-    kinds: dict[str, dict] = {}
-    for s in steps:
-        k = kinds.setdefault(s.kind, {"steps": 0, "seconds": 0.0, "seqs": 0, "tokens": 0})
-        k["steps"] += 1
-        k["seconds"] += s.step_time_s
-        k["seqs"] += s.num_seqs
-        k["tokens"] += s.computed_tokens
-    res = dict(system="bucketserve", seconds=dt, out_tok_s=ntok / dt, generated_tokens=ntok,
+    kinds = kind_summary(steps)
+    res = dict(system="bucketserve", seconds=dt, out_tok_s=ntok / dt, repeat_out_tok_s=repeat_tok_s,
+               generated_tokens=ntok,
                expected_tokens=sum(t for _, t in reqs), steps=len(steps), step_kinds=kinds,
+               repeat_step_kinds=repeat_kinds,
                runner_timing=timing, graph_steps=engine.runner.num_graph_steps,
                engine_step_s=sum(s.step_time_s for s in steps))
     if prof:
@@ -212,12 +232,41 @@ def run_peers(path: str, out_dir: str, only: str) -> list[dict]:
     return rows
 
 
+def run_mode(res: dict, shape: str, mode: str, device: str, dtype: torch.dtype, tok, reqs,
+             batches: list[int], args, bw: float | None) -> None:
+    """mode: graphs | eager, + "_unfused" (no fused Triton ops) / "_8k" (8192-token steps)."""
+    vocab = SHAPES[shape]["vocab_size"]
+    t0 = time.perf_counter()
+    engine = make_engine(shape, device, dtype, mode.startswith("graphs"), tok,
+                         fused_ops="unfused" not in mode,
+                         max_batched_tokens=8192 if mode.endswith("_8k") else None,
+                         tmp_dir=tempfile.gettempdir())
+    start_s = time.perf_counter() - t0
+    r = run_bucketserve(engine, reqs, device, profile=args.profile and mode == "graphs")
+    r.update(model=shape, mode=mode, startup_s=start_s, cuda_info=engine.cuda_info,
+             kv_blocks=engine.block_manager.num_usable_blocks)
+    prof = r.pop("profile_top", None)
+    print(json.dumps(r), flush=True)
+    if prof:
+        print(prof, flush=True)
+        r["profile_top"] = prof
+    res["runs"].append(r)
+    if mode.endswith("_8k"):
+        return  # same decode graphs as "graphs": no separate step times
+    for st in step_times(engine, batches, 512, vocab, device):
+        st.update(model=shape, mode=mode)
+        if device == "cuda":
+            st["bound_ms"] = bound_ms(shape, st["batch"], 512, bw)
+        res["step_times"].append(st)
+        print(json.dumps(st), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shapes", default="smollm2-135m,llama-1b")
-    ap.add_argument("--modes", default="graphs,eager,graphs_unfused",
+    ap.add_argument("--modes", default="graphs,graphs_8k,eager,graphs_unfused",
                     help="graphs / eager: decode graphs on / off; _unfused: no fused Triton ops")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--requests", type=int, default=256)
@@ -230,6 +279,7 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     res: dict = {"env": {"torch": torch.__version__, "argv": sys.argv[1:]}, "runs": [],
                  "step_times": []}
+    bw = None
     if device == "cuda":
         res["env"]["gpu"] = torch.cuda.get_device_name()
         res["env"]["copy_bw_gbs"] = bw = copy_bandwidth_gbs()
@@ -244,27 +294,15 @@ def main() -> None:
         tok = word_tokenizer(vocab)
         reqs = mixed_workload(vocab, n=args.requests)
         for mode in args.modes.split(","):
-            t0 = time.perf_counter()
-            engine = make_engine(shape, device, dtype, mode.startswith("graphs"), tok,
-                                 fused_ops=not mode.endswith("unfused"))
-            start_s = time.perf_counter() - t0
-            r = run_bucketserve(engine, reqs, device, profile=args.profile and mode == "graphs")
-            r.update(model=shape, mode=mode, startup_s=start_s, cuda_info=engine.cuda_info,
-                     kv_blocks=engine.block_manager.num_usable_blocks)
-            prof = r.pop("profile_top", None)
-            print(json.dumps(r), flush=True)
-            if prof:
-                print(prof, flush=True)
-                r["profile_top"] = prof
-            res["runs"].append(r)
-            for st in step_times(engine, batches, 512, vocab, device):
-                st.update(model=shape, mode=mode)
-                if device == "cuda":
-                    st["bound_ms"] = bound_ms(shape, st["batch"], 512, bw)
-                res["step_times"].append(st)
-                print(json.dumps(st), flush=True)
+            try:
+                run_mode(res, shape, mode, device, dtype, tok, reqs, batches, args, bw)
+            except Exception as e:  # keep the other modes and the peers
+                import traceback
+
+                res["runs"].append({"model": shape, "mode": mode, "error": repr(e)[:500],
+                                    "tb": traceback.format_exc()[-1500:]})
+                print(res["runs"][-1], flush=True)
             save()
-            del engine
             if device == "cuda":
                 torch.cuda.empty_cache()
     if args.peers:

@@ -62,7 +62,11 @@ def test_step_buffers_equal_numpy_path():
         np.testing.assert_array_equal(inp.slots[:ntok], meta.slot_mapping.numpy())
         np.testing.assert_array_equal(inp.seq_lens[:n], meta.seq_lens.numpy())
         np.testing.assert_array_equal(inp.qsl[:n + 1], meta.query_start_loc.numpy())
-        np.testing.assert_array_equal(inp.tables[:n, :width], meta.block_tables.numpy())
+        # each row's own pages (entries past them are never read and may be stale)
+        want_tables = meta.block_tables.numpy()
+        for i, seq in enumerate(batch.seqs):
+            k = len(seq.block_table)
+            np.testing.assert_array_equal(inp.tables[i, :k], want_tables[i, :k])
         assert seq_lens == meta.seq_lens_cpu
         assert sample_rows == rows.tolist() and got_seqs == sample_seqs
 
@@ -77,7 +81,34 @@ def test_decode_padding_rows_are_dummies():
     assert (ntok, rows) == (8, 8) and sample_rows == [0, 1, 2]
     # padding: token 0 at position 0, slot 0 of the dummy block 0, context 1
     assert not inp.ids[3:8].any() and not inp.pos[3:8].any() and not inp.slots[3:8].any()
-    assert (inp.seq_lens[3:8] == 1).all() and not inp.tables[3:8, :width].any()
+    assert (inp.seq_lens[3:8] == 1).all() and not inp.tables[3:8, 0].any()
     ids, _, meta, _, _ = reference(batch)
     np.testing.assert_array_equal(inp.slots[:3], meta.slot_mapping.numpy())
     np.testing.assert_array_equal(inp.ids[:3], ids.numpy())
+
+
+def test_block_table_rows_follow_growth_and_replacement():
+    rng = random.Random(2)
+    inp = StepInputs(max_tokens=64, max_seqs=8, max_blocks=64, block_size=BS,
+                     device=torch.device("cpu"))
+    batch = make_batch(rng, 4, [])
+    inp.fill(batch)
+    seq = batch.seqs[1]
+    seq.block_table.append(999)  # grew (same list object)
+    batch.seqs[2].block_table = [7, 8, 9]  # replaced (e.g. freed and reallocated)
+    inp.fill(batch)
+    for i, s in enumerate(batch.seqs):
+        assert inp.tables[i, :len(s.block_table)].tolist() == s.block_table
+
+
+def test_one_token_prompt_chunk_is_not_sampled():
+    """A prompt chunk of one token counts as a decode (one new token) but must not sample."""
+    rng = random.Random(3)
+    inp = StepInputs(max_tokens=64, max_seqs=8, max_blocks=64, block_size=BS,
+                     device=torch.device("cpu"))
+    batch = make_batch(rng, 3, [])
+    seq = batch.seqs[1]
+    seq.num_computed_tokens -= 5  # 6 tokens left: this step's 1 token is mid-prompt
+    _, _, _, sample_rows, sample_seqs, _ = inp.fill(batch)
+    assert sample_seqs == [0, 2] and sample_rows == [0, 2]
+    assert sample_rows == reference(batch)[3].tolist()

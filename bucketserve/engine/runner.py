@@ -51,38 +51,45 @@ def gpu_kv_budget_blocks(model: torch.nn.Module, num_layers: int, num_kv_heads: 
                          reserve_bytes: int = 256 * 2**20) -> tuple[int, dict]:
     """KV blocks that fit in `memory_fraction` of the GPU after a warm-up forward.
 
-    The warm-up runs the largest step the scheduler can issue (one prefill of
-    min(max_num_tokens, max_model_len) tokens) plus the logits of max_num_seqs rows, over
+    The warm-up runs the largest step the scheduler can issue (max_num_tokens prompt
+    tokens in sequences of at most max_model_len) plus the logits of max_num_seqs rows, over
     a small temporary pool, and reads the allocator's peak: weights + activations +
     logits. Memory outside torch's allocator (CUDA context, other processes) is counted
     as used. `reserve_bytes` is kept back for the decode graphs' pool and the sampler.
     Returns (blocks, details for the log)."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    t = max(1, min(max_num_tokens, max_model_len))
-    nblk = -(-t // block_size) + 1
+    # the largest step: max_num_tokens prompt tokens, in sequences of <= max_model_len
+    t = max(1, max_num_tokens)
+    lens = [min(max_model_len, t - i) for i in range(0, t, max_model_len)]
+    per_seq = -(-max(lens) // block_size)
+    nblk = 1 + per_seq * len(lens)  # block 0 stays the dummy
     pool = torch.zeros(num_layers, 2, nblk, block_size, num_kv_heads, head_dim,
                        dtype=dtype, device=device)
     pool_bytes = pool.numel() * pool.element_size()
     model.bind_kv_cache(pool)
-    pos = torch.arange(t, device=device)
+    tables = 1 + torch.arange(len(lens) * per_seq, dtype=torch.int32).view(len(lens), per_seq)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    seq_of = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    slots = tables[seq_of, pos // block_size].long() * block_size + pos % block_size
+    qsl = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
     meta = AttentionMetadata(
-        slot_mapping=pos + block_size,  # blocks 1.., block 0 stays the dummy
-        query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([t], dtype=torch.int32, device=device),
-        block_tables=torch.arange(1, nblk, dtype=torch.int32, device=device)[None],
-        num_decodes=0, max_query_len=t, max_seq_len=t, query_lens_cpu=[t], seq_lens_cpu=[t])
+        slot_mapping=slots.to(device), query_start_loc=qsl.to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device), num_decodes=0, max_query_len=max(lens),
+        max_seq_len=max(lens), query_lens_cpu=lens, seq_lens_cpu=lens)
     with torch.inference_mode():
         with forward_context(meta):
-            hidden = model(torch.zeros(t, dtype=torch.long, device=device), pos)
-        rows = hidden[torch.arange(min(max_num_seqs, t), device=device) % t]
+            hidden = model(torch.zeros(t, dtype=torch.long, device=device), pos.to(device))
+        rows = hidden[torch.arange(max_num_seqs, device=device) % t]
         logits = model.compute_logits(rows)
         torch.argmax(logits, dim=-1).tolist()
     del hidden, rows, logits
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - pool_bytes
-    del pool
-    torch.cuda.empty_cache()
+    del pool  # (still bound to the model until the real pool replaces it: small)
+    # no empty_cache(): the activation blocks stay cached for the first large steps (a
+    # cudaMalloc there would stall the step); `reserved` below counts them
     free, total = torch.cuda.mem_get_info(device)
     outside = total - free - torch.cuda.memory_reserved(device)  # context, other processes
     budget = memory_fraction * total - outside - peak - reserve_bytes
@@ -96,6 +103,9 @@ def gpu_kv_budget_blocks(model: torch.nn.Module, num_layers: int, num_kv_heads: 
              info["peak_torch_gib"], info["outside_torch_gib"], info["kv_budget_gib"],
              memory_fraction, blocks)
     return blocks, info
+
+
+_NO_TABLE: tuple[None, int] = (None, -1)
 
 
 class StepInputs:
@@ -127,6 +137,8 @@ class StepInputs:
         self.seq_lens, self.qsl = self.h_seq_lens.numpy(), self.h_qsl.numpy()
         self.tables = self.h_tables.numpy()
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        # per table row: (the block_table list written there, its length then)
+        self._row_tables: list[tuple[list[int] | None, int]] = [_NO_TABLE] * max_seqs
         # recorded after each step's host-to-device copies: the host buffers are rewritten
         # only once the previous copies have read them (a step that samples nothing has no
         # other sync)
@@ -179,16 +191,28 @@ class StepInputs:
         self.seq_lens[:n] = seq_lens
         self.qsl[0] = 0
         np.cumsum(counts, out=self.qsl[1:n + 1])
-        t = self.tables
-        t[:rows, :width] = 0
+        # Block tables: a row's entries past its own pages are never read (kernels read the
+        # ceil(seq_len / block_size) pages a sequence owns), so they may hold stale ids. A
+        # row is rewritten only when it holds another table than last step or the table
+        # grew (decode steps mostly repeat the previous batch: ~1.5 us a row saved).
+        t, cached = self.tables, self._row_tables
         for i, tab in enumerate(tabs):
-            t[i, :len(tab)] = tab
+            c = cached[i]
+            if c[0] is not tab or c[1] != len(tab):
+                t[i, :len(tab)] = tab
+                cached[i] = (tab, len(tab))
         if rows > n:  # dummy decode rows: token 0 at position 0 in the dummy block 0
             self.ids[n:rows] = 0
             self.pos[n:rows] = 0
             self.slots[n:rows] = 0
             self.seq_lens[n:rows] = 1
             self.qsl[n + 1:rows + 1] = np.arange(n + 1, rows + 1)
+            t[n:rows, 0] = 0
+            cached[n:rows] = [_NO_TABLE] * (rows - n)
+        if nd == n and sum(seq_lens) == sum(s.num_tokens for s in seqs):
+            # pure decode, all caught up (seq_lens[i] <= num_tokens, so equal sums mean
+            # equal terms; a 1-token prompt chunk also has one new token but no sample)
+            return ntok, rows, seq_lens, list(range(n)), list(range(n)), width
         sample_rows, sample_seqs = [], []
         qsl = self.qsl
         for i in range(n):
@@ -312,8 +336,9 @@ class ModelRunner:
         sampled: list[int | None] = [None] * n
         logprobs: list[TokenLogprob | None] = [None] * n
         if sample_seqs:
-            if len(sample_rows) == ntok:  # every row is sampled (decode steps)
-                h = hidden[:len(sample_rows)]
+            k = len(sample_rows)
+            if sample_rows[-1] == k - 1:  # rows 0..k-1 (increasing): decode steps
+                h = hidden[:k]
             else:
                 idx = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
                 h = hidden[idx]
