@@ -16,7 +16,8 @@ mixed-length corpus (8..256 word pieces, as in embeddings_offline.py) and waitin
 sizes come from its /metrics, counted over the measured rounds only.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/embeddings_online.py [--n 600] [--clients 16]
-        [--repeats 2] [--buckets FILE] [--baselines st-per-request,ours-per-request]
+        [--repeats 2] [--buckets FILE] [--boundaries 16,32,...]
+        [--baselines st-per-request,ours-per-request]
 """
 
 from __future__ import annotations
@@ -191,6 +192,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--buckets", default=None,
                    help="buckets TOML for bucketserve (default: the shipped defaults)")
+    p.add_argument("--boundaries", default=None,
+                   help="comma-separated [embedding] boundaries for bucketserve (overrides --buckets)")
     p.add_argument("--baselines", default="st-per-request,ours-per-request")
     p.add_argument("--json", default=None)
     p.add_argument("--serve-baseline", default=None, help=argparse.SUPPRESS)
@@ -210,6 +213,10 @@ def main() -> None:
     logdir = Path(tempfile.mkdtemp(prefix="emb-online-"))
     toml = logdir / "buckets.toml"
     user_toml = Path(args.buckets).read_text() + "\n" if args.buckets else ""
+    if args.boundaries:
+        if "[embedding]" in user_toml:
+            raise SystemExit("give the boundaries in the --buckets file or with --boundaries")
+        user_toml += f"[embedding]\nboundaries = [{args.boundaries}]\n"
     toml.write_text(user_toml + ("" if "[kv_cache]" in user_toml else SERVER_TOML))
     bucketserve = [str(Path(sys.executable).with_name("bucketserve"))]
     if not Path(bucketserve[0]).exists():
