@@ -216,3 +216,17 @@ def test_concurrent_single_requests_share_batches(loaded, st_model, tmp_path):
     assert metrics[("bucketserve_embedding_useful_tokens_total", ())] == useful
     assert metrics[("bucketserve_embedding_computed_tokens_total", ())] == 8 * 16 + 4 * 32
     assert metrics[("bucketserve_embedding_queue_delay_seconds_count", ())] == 12
+
+
+@pytest.mark.parametrize("fmt", ["float", "base64"])
+def test_large_request_keeps_input_order(default_app, st_model, fmt):
+    # Over the inline limits: tokenized and serialised off the event loop, spread over buckets.
+    texts = [f"sentence {i} " + "word " * (i % 40) for i in range(100)]
+    app, service = default_app
+
+    async def fn(client):
+        return await client.post("/v1/embeddings", json={"input": texts, "encoding_format": fmt})
+
+    r = call(app, service, fn)
+    assert r.status_code == 200, r.text
+    assert_close_to(vectors(r.json()), torch.from_numpy(st_model.encode(texts)))

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 import torch
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -42,8 +42,9 @@ from bucketserve.server.errors import APIError, invalid_request, overloaded
 
 log = logging.getLogger("bucketserve.embeddings")
 
-# Strings are tokenized off the event loop when a request carries more than this many.
+# Requests with more inputs than these are tokenized / serialised off the event loop.
 _INLINE_TOKENIZE_MAX = 8
+_INLINE_RENDER_MAX = 64
 
 _INPUT_KINDS = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
@@ -141,7 +142,7 @@ class EmbeddingService:
         router = APIRouter()
 
         @router.post("/v1/embeddings")
-        async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+        async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
             ctx = getattr(request.app.state, "ctx", None)
             if ctx is not None and ctx.inflight.draining:
                 raise overloaded("the server is shutting down; retry later", "shutting_down")
@@ -149,7 +150,7 @@ class EmbeddingService:
 
         return router
 
-    async def create(self, body: EmbeddingRequest) -> JSONResponse:
+    async def create(self, body: EmbeddingRequest) -> Response:
         self._check_fields(body)
         token_ids = await self._token_ids(body)
         try:
@@ -160,12 +161,13 @@ class EmbeddingService:
             raise overloaded(str(exc), "queue_timeout") from exc
         except BatcherStoppedError as exc:
             raise overloaded(str(exc), "shutting_down") from exc
-        encode = _to_base64 if body.encoding_format == "base64" else _to_floats
-        data = [{"object": "embedding", "index": i, "embedding": encode(v)}
-                for i, v in enumerate(vectors)]
         used = sum(len(ids) for ids in token_ids)
-        return JSONResponse({"object": "list", "data": data, "model": self.model_name,
-                             "usage": {"prompt_tokens": used, "total_tokens": used}})
+        args = (vectors, body.encoding_format, self.model_name, used)
+        if len(vectors) <= _INLINE_RENDER_MAX:
+            content = _render(*args)
+        else:  # a large float body takes long to serialise: keep the event loop free
+            content = await asyncio.to_thread(_render, *args)
+        return Response(content, media_type="application/json")
 
     def _check_fields(self, body: EmbeddingRequest) -> None:
         if body.model is not None and body.model != self.model_name:
@@ -258,13 +260,21 @@ def parse_input(inp: Any) -> list[str] | list[list[int]]:
     return inp
 
 
-def _to_floats(v: torch.Tensor) -> list[float]:
-    return v.tolist()
-
-
 def _to_base64(v: torch.Tensor) -> str:
     # OpenAI's base64 encoding: the vector's little-endian float32 bytes.
     return base64.b64encode(np.ascontiguousarray(v.numpy(), dtype="<f4").tobytes()).decode()
+
+
+def _render(vectors: list[torch.Tensor], encoding_format: str, model: str, used: int) -> bytes:
+    """OpenAI's response body, vectors in input order."""
+    if encoding_format == "base64":
+        embeddings: list = [_to_base64(v) for v in vectors]
+    else:
+        embeddings = torch.stack(vectors).tolist()
+    data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(embeddings)]
+    body = {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": used, "total_tokens": used}}
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def build_add_on(model: str = "all-minilm-l6-v2", device: str = "cpu",
