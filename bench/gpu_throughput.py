@@ -114,7 +114,12 @@ def kind_summary(steps) -> dict[str, dict]:
     return kinds
 
 
-def run_bucketserve(engine: LLMEngine, reqs, device: str, profile: bool = False) -> dict:
+def ntok_first(outs) -> int:
+    return sum(o.num_output_tokens for o in outs)
+
+
+def run_bucketserve(engine: LLMEngine, reqs, device: str, profile: bool = False,
+                    repeats: int = 3) -> dict:
     """Times generate() over the whole workload; with `profile`, runs it a second time under
     cProfile (host hot spots; the timed run is not profiled)."""
     params = [SamplingParams(max_tokens=t, temperature=0.0, ignore_eos=True) for _, t in reqs]
@@ -130,12 +135,15 @@ def run_bucketserve(engine: LLMEngine, reqs, device: str, profile: bool = False)
     dt = time.perf_counter() - t0
     steps = list(engine.stats.recent)[steps_before - engine.stats.num_steps:]
     timing = dict(engine.runner.step_timing)
-    t1 = time.perf_counter()  # the same run again: run-to-run spread
-    n_before = engine.stats.num_steps
-    again = engine.generate(prompts, params)
-    sync(device)
-    repeat_tok_s = sum(o.num_output_tokens for o in again) / (time.perf_counter() - t1)
-    repeat_kinds = kind_summary(list(engine.stats.recent)[n_before - engine.stats.num_steps:])
+    repeat_tok_s, repeat_kinds = [], []
+    for _ in range(repeats - 1):  # the same run again: run-to-run spread
+        t1 = time.perf_counter()
+        n_before = engine.stats.num_steps
+        again = engine.generate(prompts, params)
+        sync(device)
+        repeat_tok_s.append(sum(o.num_output_tokens for o in again) / (time.perf_counter() - t1))
+        repeat_kinds.append(kind_summary(list(engine.stats.recent)[n_before - engine.stats.num_steps:]))
+    all_tok_s = [ntok_first(outs) / dt, *repeat_tok_s]
     prof = None
     if profile:
         prof = cProfile.Profile()
@@ -144,7 +152,8 @@ def run_bucketserve(engine: LLMEngine, reqs, device: str, profile: bool = False)
         prof.disable()
     ntok = sum(o.num_output_tokens for o in outs)
     kinds = kind_summary(steps)
-    res = dict(system="bucketserve", seconds=dt, out_tok_s=ntok / dt, repeat_out_tok_s=repeat_tok_s,
+    res = dict(system="bucketserve", seconds=dt, out_tok_s=sorted(all_tok_s)[len(all_tok_s) // 2],
+               first_out_tok_s=ntok / dt, all_out_tok_s=all_tok_s,
                generated_tokens=ntok,
                expected_tokens=sum(t for _, t in reqs), steps=len(steps), step_kinds=kinds,
                repeat_step_kinds=repeat_kinds,
@@ -242,7 +251,8 @@ def run_mode(res: dict, shape: str, mode: str, device: str, dtype: torch.dtype, 
                          max_batched_tokens=8192 if mode.endswith("_8k") else None,
                          tmp_dir=tempfile.gettempdir())
     start_s = time.perf_counter() - t0
-    r = run_bucketserve(engine, reqs, device, profile=args.profile and mode == "graphs")
+    r = run_bucketserve(engine, reqs, device, profile=args.profile and mode == "graphs",
+                        repeats=args.repeats)
     r.update(model=shape, mode=mode, startup_s=start_s, cuda_info=engine.cuda_info,
              kv_blocks=engine.block_manager.num_usable_blocks)
     prof = r.pop("profile_top", None)
@@ -270,6 +280,7 @@ def main() -> None:
                     help="graphs / eager: decode graphs on / off; _unfused: no fused Triton ops")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs; out_tok_s = median")
     ap.add_argument("--profile", action="store_true", help="cProfile the graphs run")
     ap.add_argument("--peers", default=None, help="path of hf_peers_gpu.py to run after ours")
     ap.add_argument("--peers-only", default="hf_static_bs64,hf_continuous,hf_continuous_graphs")
@@ -312,7 +323,7 @@ def main() -> None:
             print(json.dumps(row)[:600], flush=True)
             save()
     # summary table
-    print("\nmodel         mode    out tok/s   seconds")
+    print("\nmodel         mode    out tok/s (median of runs; bucketserve)   seconds (first run)")
     for r in res["runs"]:
         if "out_tok_s" in r:
             print(f"{r.get('model', '?'):13s} {r.get('mode', r.get('system', '?')):28s} "

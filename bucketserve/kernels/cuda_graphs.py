@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class CaptureStats:
     num_graphs: int
     seconds: float
-    pool_bytes: int  # memory the caching allocator reserved while capturing (graph pool)
+    pool_bytes: int  # memory held by the graphs' private pool after capture
 
 
 class DecodeGraphs:
@@ -75,7 +75,6 @@ class DecodeGraphs:
     def capture(self) -> CaptureStats:
         """Captures every size, largest first (smaller graphs reuse the pool's memory)."""
         torch.cuda.synchronize(self.device)
-        reserved_before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):
@@ -90,12 +89,20 @@ class DecodeGraphs:
                 self.outputs[bs] = self._forward(bs)
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
-        stats = CaptureStats(len(self.graphs), time.perf_counter() - t0,
-                             torch.cuda.memory_reserved(self.device) - reserved_before)
+        stats = CaptureStats(len(self.graphs), time.perf_counter() - t0, self.pool_bytes())
         log.info("captured %d decode graphs (batch %d..%d) in %.2f s, %.1f MiB",
                  stats.num_graphs, self.sizes[0], self.sizes[-1], stats.seconds,
                  stats.pool_bytes / 2**20)
         return stats
+
+    def pool_bytes(self) -> int:
+        """Memory the graphs' private pool holds (segments of that pool in the allocator's
+        snapshot; a reserved-memory delta is blurred by other frees and allocations)."""
+        if self.pool is None:
+            return 0
+        pool = tuple(self.pool)
+        return sum(int(seg.get("total_size", 0)) for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id", ())) == pool)
 
     def padded_size(self, num_decodes: int) -> int | None:
         """The captured size a step of `num_decodes` decodes runs at, or None (eager)."""
