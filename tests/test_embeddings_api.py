@@ -216,6 +216,7 @@ def test_concurrent_single_requests_share_batches(loaded, st_model, tmp_path):
     assert metrics[("bucketserve_embedding_useful_tokens_total", ())] == useful
     assert metrics[("bucketserve_embedding_computed_tokens_total", ())] == 8 * 16 + 4 * 32
     assert metrics[("bucketserve_embedding_queue_delay_seconds_count", ())] == 12
+    assert metrics[("bucketserve_embedding_encoder_seconds_total", ())] > 0
 
 
 @pytest.mark.parametrize("fmt", ["float", "base64"])

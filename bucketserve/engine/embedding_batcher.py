@@ -63,6 +63,7 @@ class BatcherStats:
     queue_delay_counts: list[int] = field(  # per QUEUE_DELAY_BUCKETS slot, last one = +Inf
         default_factory=lambda: [0] * (len(QUEUE_DELAY_BUCKETS) + 1))
     queue_delay_sum_s: float = 0.0
+    encoder_s: float = 0.0  # wall time spent in encode (batch building excluded)
 
     @property
     def num_batches(self) -> int:
@@ -333,6 +334,7 @@ class EmbeddingBatcher:
                     self._finish(item.request, exc)
             return
         out = out.cpu()
+        self.stats.encoder_s += time.monotonic() - start
         self.stats.record_batch(bucket_len, [len(item.ids) for item in items],
                                 [start - item.arrival for item in items])
         with self._cond:

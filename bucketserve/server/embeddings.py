@@ -99,6 +99,8 @@ class BatcherStatsCollector(Collector):
             ("bucketserve_embedding_useful_tokens", s.useful_tokens, "Real input tokens encoded."),
             ("bucketserve_embedding_inputs", s.num_inputs, "Inputs encoded."),
             ("bucketserve_embedding_requests", s.num_requests, "Embedding requests accepted."),
+            ("bucketserve_embedding_encoder_seconds", s.encoder_s,
+             "Wall time the encoder spent running batches."),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("bucketserve_embedding_requests_waiting",
