@@ -64,3 +64,31 @@ def test_reference_attention_matches_dense(hq, hkv):
     out = reference_attention(torch.cat(qs), k_cache, v_cache, meta, scale)
     expected = torch.cat([dense(q, fk, fv, scale) for q, fk, fv in zip(qs, full_k, full_v, strict=True)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (8, 8, 32, 4), (32, 8, 128, 16), (4, 1, 16, 1)])
+def test_cpu_decode_kernel_matches_reference(hq, hkv, d, bs):
+    from bucketserve.kernels import cpu_decode
+
+    if cpu_decode.load() is None:
+        pytest.skip("no C compiler: the CPU decode kernel is not built here")
+    torch.manual_seed(d + bs)
+    nd = 6
+    lens = [1, 2, bs, bs + 1, 77, 200]
+    width = max(-(-n // bs) for n in lens)
+    num_blocks = nd * width + 1
+    perm = torch.randperm(num_blocks - 1)[: nd * width] + 1
+    tables = perm.view(nd, width).to(torch.int32)
+    k_cache = torch.randn(num_blocks, bs, hkv, d)
+    v_cache = torch.randn(num_blocks, bs, hkv, d)
+    # q as the model passes it: a strided view into a wider qkv buffer
+    q = torch.randn(nd, hq + 2 * hkv, d)[:, :hq]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(nd, dtype=torch.int64),
+        query_start_loc=torch.arange(nd + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables, num_decodes=nd,
+        max_query_len=1, max_seq_len=max(lens), query_lens_cpu=[1] * nd, seq_lens_cpu=lens)
+    out = torch.empty(nd, hq, d)
+    cpu_decode.paged_decode(q, k_cache, v_cache, tables, meta.seq_lens, d ** -0.5, out)
+    expected = reference_attention(q.contiguous(), k_cache, v_cache, meta, d ** -0.5)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)

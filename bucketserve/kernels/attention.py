@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from bucketserve.kernels import cpu_decode
+
 
 @dataclass
 class AttentionMetadata:
@@ -128,17 +130,12 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out[idx] = o.reshape(n, hq, d)
 
 
-def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Torch reference over the pool (K/V already written). q: [T, Hq, D] -> [T, Hq, D]."""
-    out = torch.empty_like(q)
-    hq, hkv = q.shape[1], k_cache.shape[2]
-    group = hq // hkv
-    nd = meta.num_decodes
-    if nd:
-        _decode_attention(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
-    start = nd
-    for s in range(nd, meta.num_seqs):
+def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """The prefill sequences (num_decodes onwards), one causal SDPA call each."""
+    group = q.shape[1] // k_cache.shape[2]
+    start = meta.num_decodes
+    for s in range(meta.num_decodes, meta.num_seqs):
         qlen, klen = meta.query_lens_cpu[s], meta.seq_lens_cpu[s]
         table = meta.block_tables[s]
         k, v = _gather_context(k_cache, table, klen), _gather_context(v_cache, table, klen)
@@ -157,6 +154,16 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             o = F.scaled_dot_product_attention(qs, k[None], v[None], attn_mask=mask, scale=scale)
         out[start:start + qlen] = o[0].transpose(0, 1)
         start += qlen
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Torch reference over the pool (K/V already written). q: [T, Hq, D] -> [T, Hq, D]."""
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        _decode_attention(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
+    _prefill_attention(q, k_cache, v_cache, meta, scale, out)
     return out
 
 
@@ -172,7 +179,15 @@ class AttentionBackend:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return reference_attention(q, k_cache, v_cache, meta, scale)
+        nd = meta.num_decodes
+        if not nd or not cpu_decode.supports(q, k_cache):
+            return reference_attention(q, k_cache, v_cache, meta, scale)
+        # float32 on the CPU: decodes through the C kernel, which reads the pool in place
+        out = torch.empty(q.shape, dtype=q.dtype)
+        cpu_decode.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                scale, out[:nd])
+        _prefill_attention(q, k_cache, v_cache, meta, scale, out)
+        return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, scale: float) -> torch.Tensor:
