@@ -32,6 +32,7 @@ class AsyncEngine:
         self._accepting = True
         self._error: BaseException | None = None
         self._num_pending = 0  # added by callers, not yet seen by the engine thread
+        self._pending_lock = threading.Lock()
 
     # ---- what the server reads ---------------------------------------------------------
 
@@ -96,7 +97,8 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         seq = Sequence(prompt_token_ids, params, request_id=request_id, priority=priority,
                        queue_timeout_s=self.engine.buckets.queue_timeout_s)
-        self._num_pending += 1
+        with self._pending_lock:
+            self._num_pending += 1
         self._inbox.put(("add", seq))
         self._wake.set()
         finished = False
@@ -134,7 +136,8 @@ class AsyncEngine:
                 return
             if kind == "add":
                 seq: Sequence = payload  # type: ignore[assignment]
-                self._num_pending -= 1
+                with self._pending_lock:
+                    self._num_pending -= 1
                 if seq.request_id not in self._streams:
                     continue  # abandoned before the engine saw it
                 self.engine.add_sequence(seq)
