@@ -114,7 +114,7 @@ class BertLayer(nn.Module):
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        # x [B, L, H]; attn_mask [B, 1, 1, L] bool (True = key may be attended) or None.
+        # x [B, L, H]; attn_mask [B, 1, 1, L] additive (0 = attend, -inf = padding) or None.
         B, L, H = x.shape
         qkv = self.qkv(x).view(B, L, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, L, head_dim]
@@ -140,9 +140,13 @@ class BertEncoder(nn.Module):
         """input_ids [B, L] long, attention_mask [B, L] bool or None -> hidden [B, L, H]."""
         x = self.embeddings(input_ids, token_type_ids)
         # A mask with no padding changes nothing; None lets SDPA take its unmasked fast path.
+        # Otherwise the boolean key mask becomes an additive one (0 / -inf) [B, 1, 1, L] once
+        # here: SDPA would convert a boolean mask again in every layer (two extra ops each,
+        # which on a busy CPU cost as much as a GEMM). Every row keeps >= 1 real key ([CLS]).
         key_mask = None
         if attention_mask is not None and not bool(attention_mask.all()):
-            key_mask = attention_mask[:, None, None, :]
+            key_mask = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
+            key_mask = key_mask.masked_fill_(~attention_mask, -math.inf)[:, None, None, :]
         for layer in self.layers:
             x = layer(x, key_mask)
         return x
