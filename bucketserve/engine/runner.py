@@ -247,8 +247,9 @@ class ModelRunner:
 
     def setup_cuda(self, max_num_seqs: int, max_num_tokens: int, max_model_len: int,
                    decode_batch_sizes: list[int], use_cuda_graphs: bool = True) -> dict:
-        """Allocates the step buffers and captures the decode graphs (largest first, one
-        pool). Returns {"graphs": n, "capture_s": s, "graph_pool_mib": m}."""
+        """Allocates the step buffers, compiles the attention kernels' variants and captures
+        the decode graphs (largest first, one pool). Returns {"graphs": n, "capture_s": s,
+        "graph_pool_mib": m, "kernel_warmup_s": s} for the start-up log."""
         if self.device.type != "cuda":
             raise ValueError("setup_cuda needs a CUDA device")
         sizes = sorted({b for b in decode_batch_sizes if b >= 1})
@@ -263,7 +264,11 @@ class ModelRunner:
             cfg = self.model.config
             backend.warm_up(self.kv_cache[0, 0], self.kv_cache[0, 1], cfg.num_heads, max_blocks)
             info["kernel_warmup_s"] = time.perf_counter() - t0
-        if use_cuda_graphs and sizes:
+        if use_cuda_graphs and sizes and not getattr(backend, "graph_capturable", False):
+            log.warning("attention backend %r cannot be captured in a CUDA graph (it syncs "
+                        "with the host); decode steps run eagerly",
+                        getattr(backend, "name", type(backend).__name__))
+        elif use_cuda_graphs and sizes:
             from bucketserve.kernels.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, sizes, max_blocks, max_model_len, self.device)

@@ -310,6 +310,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    graph_capturable = True  # no host syncs in forward (runner checks before capturing)
 
     def __init__(self, decode_splits: int | None = None, max_splits: int = 16) -> None:
         self.decode_splits = decode_splits
