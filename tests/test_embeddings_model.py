@@ -212,3 +212,36 @@ def test_pooling_modes(tiny_bert_dir, tmp_path, mode, normalize):
     _check(got, ref, texts)
     if not normalize:  # also the scale, not just the direction
         assert torch.allclose(torch.stack(got), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: (d / "modules.json").write_text(json.dumps(
+        [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+         {"idx": 1, "name": "1", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}])),
+     "Dense"),
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()),
+         "position_embedding_type": "relative_key"})), "position_embedding_type"),
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "hidden_act": "swishy"})), "hidden_act"),
+    (lambda d: (d / "model.safetensors").unlink(), "model.safetensors"),
+])
+def test_unsupported_directories_are_refused(tiny_bert_dir, tmp_path, change, message):
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_bert_dir, model_dir)
+    change(model_dir)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        load_embedding_model(str(model_dir))
+
+
+def test_plain_bert_directory_defaults_to_mean_pooling(tiny_bert_dir):
+    from transformers import AutoModel
+
+    loaded = load_embedding_model(str(tiny_bert_dir))  # no modules.json: mean, no normalize
+    assert loaded.model.pooling == ("mean",) and not loaded.model.normalize
+    ids = torch.tensor([loaded.tokenizer.encode("plain BERT directory")])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    hf = AutoModel.from_pretrained(tiny_bert_dir).eval()
+    with torch.no_grad():
+        ref = hf(input_ids=ids).last_hidden_state.mean(dim=1)
+    assert torch.allclose(loaded.model(ids, mask), ref, atol=1e-5)
