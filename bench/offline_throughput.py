@@ -11,9 +11,12 @@ tokens the requests asked for (sum of max_tokens) over wall time.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bucketserve sets it; before torch loads
+
 import argparse
 import json
-import os
 import platform
 import time
 from pathlib import Path
