@@ -73,8 +73,8 @@ def serve_baseline(mode: str, port: int) -> None:
         st = SentenceTransformer(str(loaded.path), device="cpu")
 
         def forward(text: str) -> tuple[np.ndarray, int]:
-            n = len(loaded.tokenizer.encode(text))
-            return st.encode([text], batch_size=1)[0], n
+            # usage is left at 0: counting tokens would tokenize a second time
+            return st.encode([text], batch_size=1)[0], 0
     elif mode == "ours-per-request":
         def forward(text: str) -> tuple[np.ndarray, int]:
             ids = torch.tensor([loaded.tokenizer.encode(text)])
