@@ -25,6 +25,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# bucketserve sets this on import; set it before torch loads OpenMP, here and in every server
+# this script starts, so that every system measured runs under the same OpenMP wait policy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
