@@ -119,6 +119,7 @@ def main() -> None:
     tokenizer = load_model("smollm2-135m-instruct").tokenizer
     requests = load_workload(args.workload, tokenizer, args.limit)
     ours = run_bucketserve(requests, args.buckets)
+    ours["load_avg_1m_after"] = round(os.getloadavg()[0], 2)  # other work on the machine skews both
     print(json.dumps(ours), flush=True)
     result = {"workload": str(args.workload.name), "requests": len(requests),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
@@ -126,6 +127,7 @@ def main() -> None:
               "bucketserve": ours}
     if not args.skip_hf:
         peer = run_hf_static(requests, args.hf_batch)
+        peer["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
         print(json.dumps(peer), flush=True)
         result["transformers_static"] = peer
         result["ratio"] = round(ours["output_tokens_per_s"] / peer["output_tokens_per_s"], 2)

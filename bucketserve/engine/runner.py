@@ -236,6 +236,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
                                     dtype=dtype, device=device)
         model.bind_kv_cache(self.kv_cache)
+        if device.type == "cpu" and hasattr(model, "pack_cpu_weights") and model.pack_cpu_weights():
+            log.info("CPU: projections use MKL's packed sgemm")
         log.info("KV pool: %d blocks of %d tokens, %.2f GiB", num_blocks, block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
         self.inputs: StepInputs | None = None  # CUDA: set by setup_cuda
