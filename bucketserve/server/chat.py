@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from contextlib import aclosing
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from bucketserve.server.context import ServerContext, chat_logprobs
-from bucketserve.server.generation import ClientGone, finish_error, run_choices, until_disconnect
+from bucketserve.server.generation import ClientGone, collect_choices, run_choices, until_disconnect
 from bucketserve.server.prompts import chat_jobs, chat_prompt
 from bucketserve.server.protocol import (
     ChatChoice,
@@ -49,28 +48,16 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
 
 async def _collect(ctx: ServerContext, req: ChatCompletionRequest, n_prompt: int,
                    request_id: str, outputs) -> ChatCompletionResponse:
-    texts = [""] * req.n
-    lps: list[list] = [[] for _ in range(req.n)]
-    reasons: list[str | None] = [None] * req.n
-    completion_tokens = 0
-    async with aclosing(outputs):
-        async for i, out in outputs:
-            texts[i] += out.new_text
-            lps[i].extend(out.new_logprobs)
-            if out.finished:
-                err = finish_error(out, ctx.inflight)
-                if err is not None:
-                    raise err
-                reasons[i] = out.finish_reason
-                completion_tokens += out.num_output_tokens
+    got = await collect_choices(outputs, req.n, ctx.inflight)
     choices = [
-        ChatChoice(index=i, message=ChatResponseMessage(content=texts[i]),
-                   logprobs=ChatLogprobs(content=chat_logprobs(ctx, lps[i])) if req.logprobs else None,
-                   finish_reason=reasons[i])
+        ChatChoice(index=i, message=ChatResponseMessage(content=got.texts[i]),
+                   logprobs=(ChatLogprobs(content=chat_logprobs(ctx, got.logprobs[i]))
+                             if req.logprobs else None),
+                   finish_reason=got.finish_reasons[i])
         for i in range(req.n)
     ]
     return ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
-                                  usage=_usage(n_prompt, completion_tokens))
+                                  usage=_usage(n_prompt, got.completion_tokens))
 
 
 class _StreamFormatter:

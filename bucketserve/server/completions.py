@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from contextlib import aclosing
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from bucketserve.server.context import ServerContext, completion_logprobs
-from bucketserve.server.generation import ClientGone, finish_error, run_choices, until_disconnect
+from bucketserve.server.generation import ClientGone, collect_choices, run_choices, until_disconnect
 from bucketserve.server.prompts import Prompt, completion_jobs, completion_prompts
 from bucketserve.server.protocol import (
     CompletionChoice,
@@ -48,30 +47,17 @@ def _usage(prompts: list[Prompt], completion_tokens: int) -> UsageInfo:
 async def _collect(ctx: ServerContext, req: CompletionRequest, prompts: list[Prompt],
                    request_id: str, outputs) -> CompletionResponse:
     n_jobs = len(prompts) * req.n
-    texts = [""] * n_jobs
-    lps: list[list] = [[] for _ in range(n_jobs)]
-    reasons: list[str | None] = [None] * n_jobs
-    completion_tokens = 0
-    async with aclosing(outputs):
-        async for i, out in outputs:
-            texts[i] += out.new_text
-            lps[i].extend(out.new_logprobs)
-            if out.finished:
-                err = finish_error(out, ctx.inflight)
-                if err is not None:
-                    raise err
-                reasons[i] = out.finish_reason
-                completion_tokens += out.num_output_tokens
+    got = await collect_choices(outputs, n_jobs, ctx.inflight)
     choices = []
     for i in range(n_jobs):
         echo = prompts[i // req.n].text if req.echo else ""
         logprobs = None
         if req.logprobs is not None:
-            logprobs = CompletionLogprobs(**completion_logprobs(ctx, lps[i], len(echo)))
-        choices.append(CompletionChoice(index=i, text=echo + texts[i], logprobs=logprobs,
-                                        finish_reason=reasons[i]))
+            logprobs = CompletionLogprobs(**completion_logprobs(ctx, got.logprobs[i], len(echo)))
+        choices.append(CompletionChoice(index=i, text=echo + got.texts[i], logprobs=logprobs,
+                                        finish_reason=got.finish_reasons[i]))
     return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
-                              usage=_usage(prompts, completion_tokens))
+                              usage=_usage(prompts, got.completion_tokens))
 
 
 class _StreamFormatter:

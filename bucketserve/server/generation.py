@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -135,6 +136,33 @@ async def run_choices(
         for task in tasks:
             task.cancel()
         inflight.request_ids.difference_update(rids)
+
+
+@dataclass
+class Collected:
+    """The whole result of n choices, gathered from `run_choices`' stream."""
+
+    texts: list[str]
+    logprobs: list[list]
+    finish_reasons: list[str | None]
+    completion_tokens: int
+
+
+async def collect_choices(outputs: AsyncIterator[tuple[int, RequestOutput]], n_jobs: int,
+                          inflight: InFlight) -> Collected:
+    """Drains a non-streaming request's outputs; a failed choice raises its APIError."""
+    got = Collected([""] * n_jobs, [[] for _ in range(n_jobs)], [None] * n_jobs, 0)
+    async with aclosing(outputs):
+        async for i, out in outputs:
+            got.texts[i] += out.new_text
+            got.logprobs[i].extend(out.new_logprobs)
+            if out.finished:
+                err = finish_error(out, inflight)
+                if err is not None:
+                    raise err
+                got.finish_reasons[i] = out.finish_reason
+                got.completion_tokens += out.num_output_tokens
+    return got
 
 
 async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
