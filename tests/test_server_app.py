@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -52,7 +51,7 @@ class ScriptedEngine:
         self.model_name = "scripted"
         self.max_model_len = 128
         self.stats = EngineStats()
-        self.engine = SimpleNamespace(block_manager=SimpleNamespace(num_usable_blocks=8, block_size=16))
+        self.pool_tokens = 8 * 16  # a pool of 8 blocks of 16 tokens
         self.aborted: list[str] = []
         self.started: list[str] = []
         self.hold = asyncio.Event()

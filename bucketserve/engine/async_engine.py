@@ -52,6 +52,12 @@ class AsyncEngine:
     def stats(self):
         return self.engine.stats
 
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens one sequence can hold when it has the whole KV pool to itself."""
+        bm = self.engine.block_manager
+        return bm.num_usable_blocks * bm.block_size
+
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 

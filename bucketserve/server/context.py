@@ -38,8 +38,7 @@ class ServerContext:
     @property
     def pool_tokens(self) -> int:
         """Tokens one sequence can hold when it has the whole KV pool to itself."""
-        bm = self.engine.engine.block_manager
-        return bm.num_usable_blocks * bm.block_size
+        return self.engine.pool_tokens
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
