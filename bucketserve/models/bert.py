@@ -8,6 +8,8 @@ they never change a real token's result.
 
 Weight names follow Hugging Face's BertModel (with or without the "bert." prefix); query, key and
 value are fused into one [3H, H] projection at load time (bert_loader.py) for one GEMM per layer.
+On a float32 CPU model, `pack_cpu_weights()` switches every projection to MKL's packed sgemm (the
+Llama model's helpers): 1.3-2x faster forwards at the small batches of online serving.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from bucketserve.models.llama import Linear, mkl_packing_available, pack_weight
 
 # Pooling modes in the order sentence-transformers concatenates them when several are set.
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")
@@ -105,21 +109,25 @@ class BertLayer(nn.Module):
         H = cfg.hidden_size
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.head_dim
-        self.qkv = nn.Linear(H, 3 * H)  # rows: [query; key; value]
-        self.attn_out = nn.Linear(H, H)
+        # Llama's Linear: uninitialised parameters (the loader assigns them) and an optional MKL
+        # packed weight (pack_cpu_weights). It takes 2-D input, so layers work on [B * L, H].
+        self.qkv = Linear(H, 3 * H, bias=True)  # rows: [query; key; value]
+        self.attn_out = Linear(H, H, bias=True)
         self.attn_norm = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
-        self.ffn_in = nn.Linear(H, cfg.intermediate_size)
-        self.ffn_out = nn.Linear(cfg.intermediate_size, H)
+        self.ffn_in = Linear(H, cfg.intermediate_size, bias=True)
+        self.ffn_out = Linear(cfg.intermediate_size, H, bias=True)
         self.ffn_norm = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        # x [B, L, H]; attn_mask [B, 1, 1, L] additive (0 = attend, -inf = padding) or None.
-        B, L, H = x.shape
-        qkv = self.qkv(x).view(B, L, 3, self.num_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, batch: int, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        # x [T = B * L, H] (row b * L + i is token i of sequence b); attn_mask [B, 1, 1, L]
+        # additive (0 = attend, -inf = padding) or None.
+        T, H = x.shape
+        L = T // batch
+        qkv = self.qkv(x).view(batch, L, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, L, head_dim]
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        a = a.transpose(1, 2).reshape(B, L, H)
+        a = a.transpose(1, 2).reshape(T, H)
         x = self.attn_norm(x + self.attn_out(a))
         return self.ffn_norm(x + self.ffn_out(self.act(self.ffn_in(x))))
 
@@ -147,9 +155,11 @@ class BertEncoder(nn.Module):
         if attention_mask is not None and not bool(attention_mask.all()):
             key_mask = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
             key_mask = key_mask.masked_fill_(~attention_mask, -math.inf)[:, None, None, :]
+        B, L, H = x.shape
+        x = x.view(B * L, H)
         for layer in self.layers:
-            x = layer(x, key_mask)
-        return x
+            x = layer(x, B, key_mask)
+        return x.view(B, L, H)
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: tuple[str, ...]) -> torch.Tensor:
@@ -194,6 +204,18 @@ class BertEmbeddingModel(nn.Module):
     @property
     def embedding_dim(self) -> int:
         return self.config.hidden_size * len(self.pooling)
+
+    def pack_cpu_weights(self) -> bool:
+        """Switches every projection of a float32 CPU model to MKL's packed sgemm (the original
+        weights stay, for autograd and for moving the model). Returns False, changing nothing,
+        where packing does not apply. Call again after changing the weights."""
+        w = self.encoder.embeddings.word_embeddings.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not mkl_packing_available():
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = pack_weight(module.weight)
+        return True
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

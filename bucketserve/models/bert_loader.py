@@ -177,6 +177,7 @@ def load_embedding_model(
     state = _fused_state_dict(load_file(str(weights)), cfg)
     model.encoder.load_state_dict(state, strict=True)
     model = model.to(device=device, dtype=dtype).eval()
+    model.pack_cpu_weights()  # after .to(): packs the final weights; no-op off float32 CPU
 
     tokenizer = EmbeddingTokenizer(model_dir / "tokenizer.json",
                                    do_lower_case=bool(st_cfg.get("do_lower_case", False)))
