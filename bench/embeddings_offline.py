@@ -10,7 +10,7 @@ so the best round is the least disturbed one). Prints texts/s, the ratio, paddin
 both, and the smallest cosine between the two systems' vectors.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/embeddings_offline.py [--n 2000] [--repeats 2]
-        [--boundaries 16,32,...] [--batch-tokens 8192] [--threads N]
+        [--boundaries 16,32,...] [--batch-tokens 8192] [--max-merged-padding F] [--threads N]
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ def main() -> None:
                    help="comma-separated embedding boundaries overriding the TOML's")
     p.add_argument("--batch-tokens", type=int, default=None,
                    help="max_batch_tokens overriding the TOML's")
+    p.add_argument("--max-merged-padding", type=float, default=None,
+                   help="[embedding] max_merged_padding overriding the TOML's (0: no merging)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args()
@@ -114,15 +116,19 @@ def main() -> None:
                   else emb.boundaries)
     batcher_kw = dict(boundaries=boundaries, preferred_batch_size=emb.preferred_batch_size,
                       max_batch_tokens=args.batch_tokens or emb.max_batch_tokens,
-                      max_queue_delay_ms=emb.max_queue_delay_ms)
+                      max_queue_delay_ms=emb.max_queue_delay_ms,
+                      max_merged_padding=(emb.max_merged_padding if args.max_merged_padding is None
+                                          else args.max_merged_padding))
     st = SentenceTransformer(str(loaded.path), device="cpu")
     texts = make_corpus(loaded.tokenizer, args.n)
     lengths = [len(ids) for ids in loaded.tokenizer.encode_batch(texts)]
     print(f"corpus: {len(texts)} texts, tokens {min(lengths)}..{max(lengths)}, "
           f"mean {statistics.mean(lengths):.1f}; torch threads {torch.get_num_threads()}; "
           f"buckets {list(boundaries)}, preferred batch {emb.preferred_batch_size}, "
-          f"max_batch_tokens {batcher_kw['max_batch_tokens']}", flush=True)
+          f"max_batch_tokens {batcher_kw['max_batch_tokens']}, max_merged_padding "
+          f"{batcher_kw['max_merged_padding']}", flush=True)
 
+    load_at_start = os.getloadavg()
     run_ours(loaded, texts[:64], batcher_kw)  # warm-up both paths
     run_st(st, texts[:64])
     ours_s, st_s = [], []
@@ -138,6 +144,8 @@ def main() -> None:
     result = {
         "bench": "embeddings_offline", "n_texts": len(texts),
         "torch_threads": torch.get_num_threads(), "boundaries": list(boundaries),
+        "max_merged_padding": batcher_kw["max_merged_padding"],
+        "load_average_at_start": load_at_start,
         "bucketserve_texts_per_s": len(texts) / min(ours_s),
         "st_texts_per_s": len(texts) / min(st_s),
         "ratio": min(st_s) / min(ours_s),
@@ -145,6 +153,7 @@ def main() -> None:
         "bucketserve_padding_waste": batcher.stats.padding_waste,
         "st_padding_waste": sorted_batch_waste(lengths, 32),
         "bucketserve_batches": batcher.stats.num_batches,
+        "bucketserve_merged_batches": batcher.stats.merged_batches,
         "min_cosine_vs_st": min_cos,
         "rounds_s": {"bucketserve": ours_s, "st": st_s},
     }

@@ -17,7 +17,7 @@ of the per-round ratio. bucketserve's padding waste and batch
 sizes come from its /metrics, counted over the measured rounds only.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/embeddings_online.py [--n 600] [--clients 16]
-        [--repeats 2] [--buckets FILE] [--boundaries 16,32,...]
+        [--repeats 2] [--buckets FILE] [--boundaries 16,32,...] [--max-merged-padding F]
         [--baselines st-per-request,ours-per-request]
 """
 
@@ -199,6 +199,8 @@ def main() -> None:
                    help="buckets TOML for bucketserve (default: the shipped defaults)")
     p.add_argument("--boundaries", default=None,
                    help="comma-separated [embedding] boundaries for bucketserve (overrides --buckets)")
+    p.add_argument("--max-merged-padding", type=float, default=None,
+                   help="[embedding] max_merged_padding for bucketserve (overrides --buckets)")
     p.add_argument("--baselines", default="st-per-request,ours-per-request")
     p.add_argument("--json", default=None)
     p.add_argument("--serve-baseline", default=None, help=argparse.SUPPRESS)
@@ -218,10 +220,16 @@ def main() -> None:
     logdir = Path(tempfile.mkdtemp(prefix="emb-online-"))
     toml = logdir / "buckets.toml"
     user_toml = Path(args.buckets).read_text() + "\n" if args.buckets else ""
+    overrides = []
     if args.boundaries:
+        overrides.append(f"boundaries = [{args.boundaries}]")
+    if args.max_merged_padding is not None:
+        overrides.append(f"max_merged_padding = {args.max_merged_padding}")
+    if overrides:
         if "[embedding]" in user_toml:
-            raise SystemExit("give the boundaries in the --buckets file or with --boundaries")
-        user_toml += f"[embedding]\nboundaries = [{args.boundaries}]\n"
+            raise SystemExit("give [embedding] keys in the --buckets file or with --boundaries / "
+                             "--max-merged-padding, not both")
+        user_toml += "[embedding]\n" + "\n".join(overrides) + "\n"
     toml.write_text(user_toml + ("" if "[kv_cache]" in user_toml else SERVER_TOML))
     bucketserve = [str(Path(sys.executable).with_name("bucketserve"))]
     if not Path(bucketserve[0]).exists():
@@ -240,6 +248,7 @@ def main() -> None:
             wait_healthy(proc, logdir)
         print(f"{len(texts)} texts per round, {args.clients} clients, servers: {list(procs)}; "
               f"logs in {logdir}", flush=True)
+        load_at_start = os.getloadavg()  # before any load this script makes
         for proc in procs.values():  # warm-up
             asyncio.run(load(proc.bench_url, texts[:32], args.clients))  # type: ignore[attr-defined]
         rounds: dict[str, list[float]] = {name: [] for name in procs}
@@ -267,6 +276,8 @@ def main() -> None:
     useful = delta("bucketserve_embedding_useful_tokens_total")
     batches = delta("bucketserve_embedding_batch_size_count")
     result: dict = {"bench": "embeddings_online", "n_texts": len(texts), "clients": args.clients,
+                    "boundaries": args.boundaries, "max_merged_padding": args.max_merged_padding,
+                    "load_average_at_start": load_at_start,
                     "texts_per_s": {}, "p50_latency_s": {}, "p99_latency_s": {}}
     for name, secs in rounds.items():
         result["texts_per_s"][name] = len(texts) / min(secs)
@@ -283,6 +294,7 @@ def main() -> None:
         for b, secs in rounds.items() if b != "bucketserve"}
     result["padding_waste"] = 1.0 - useful / computed if computed else None
     result["mean_batch_size"] = delta("bucketserve_embedding_batch_size_sum") / batches if batches else None
+    result["merged_batches"] = delta("bucketserve_embedding_merged_batches_total")
     result["encoder_busy_fraction"] = (delta("bucketserve_embedding_encoder_seconds_total")
                                        / bucketserve_s)
     result["rounds_s"] = rounds
@@ -295,7 +307,8 @@ def main() -> None:
         f"{k} {v:.2f}x" for k, v in result["median_round_ratios"].items()))
     if computed:
         print(f"bucketserve padding waste {result['padding_waste']:.1%}, mean batch size "
-              f"{result['mean_batch_size']:.2f} over {batches:.0f} batches, encoder busy "
+              f"{result['mean_batch_size']:.2f} over {batches:.0f} batches "
+              f"({result['merged_batches']:.0f} merged), encoder busy "
               f"{result['encoder_busy_fraction']:.0%} of the measured time")
     else:
         print("bucketserve /metrics has no embedding counters (is the collector registered?)")

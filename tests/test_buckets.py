@@ -33,7 +33,7 @@ DOCUMENTED_DEFAULTS = {
     "kv_cache": {"block_size": 16, "cpu_memory_gib": 2.0, "gpu_memory_fraction": 0.9},
     "embedding": {"boundaries": [16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256, 320, 384, 448, 512], "preferred_batch_size": 32,
                   "max_batch_tokens": 8192, "max_queue_delay_ms": 5.0,
-                  "max_inputs_per_request": 2048},
+                  "max_inputs_per_request": 2048, "max_merged_padding": 0.1},
 }
 
 
@@ -151,6 +151,14 @@ max_batch_tokens = 9
     assert again.user_keys == {f"{t}.{k}" for t, keys in DOCUMENTED_DEFAULTS.items() for k in keys}
 
 
+def test_max_merged_padding_bounds_accepted(tmp_path: Path) -> None:
+    # 0 turns merging off, 1 merges regardless of padding; an integer is accepted as a float.
+    for text, value in (("0", 0.0), ("1", 1.0), ("0.05", 0.05)):
+        config = load_buckets(write(tmp_path, f"[embedding]\nmax_merged_padding = {text}\n"))
+        assert config.embedding.max_merged_padding == value
+        assert isinstance(config.embedding.max_merged_padding, float)
+
+
 def test_specs_from_config() -> None:
     config = load_buckets()
     assert config.prefill_spec == BucketSpec(config.prefill_boundaries)
@@ -204,6 +212,10 @@ INVALID = [
     ("[kv_cache]\ngpu_memory_fraction = 0\n", "kv_cache.gpu_memory_fraction", ["(0, 1]"]),
     ("[kv_cache]\ngpu_memory_fraction = 1.01\n", "kv_cache.gpu_memory_fraction", ["1.01", "(0, 1]"]),
     ("[kv_cache]\ngpu_memory_fraction = -0.5\n", "kv_cache.gpu_memory_fraction", ["(0, 1]"]),
+    ("[embedding]\nmax_merged_padding = 1.5\n", "embedding.max_merged_padding", ["1.5", "[0, 1]"]),
+    ("[embedding]\nmax_merged_padding = -0.1\n", "embedding.max_merged_padding", ["[0, 1]"]),
+    ("[embedding]\nmax_merged_padding = nan\n", "embedding.max_merged_padding", ["nan", "[0, 1]"]),
+    ('[embedding]\nmax_merged_padding = "10%"\n', "embedding.max_merged_padding", ["string"]),
     # policy
     ('[scheduler]\npolicy = "lifo"\n', "scheduler.policy", ["'lifo'", '"fcfs"', '"priority"']),
     ('[scheduler]\npolicy = "FCFS"\n', "scheduler.policy", ['did you mean "fcfs"']),

@@ -265,3 +265,97 @@ def test_bad_lengths_and_config():
     run(main())
     with pytest.raises(ValueError, match="max_batch_tokens"):
         EmbeddingBatcher(enc, (4, 8, 16), 4, 8, 1.0)
+
+
+# ------------------------------------------------------------------ bucket merging
+def _queue_while_busy(enc: FakeEncoder, b: EmbeddingBatcher, inputs: list[list[int]]):
+    """Occupies the worker with a first input, queues `inputs` as single-input requests, then
+    lets the worker go: every input is queued when the next batch is formed."""
+
+    async def main():
+        first = asyncio.ensure_future(b.embed([seq(1, 2)]))
+        await asyncio.to_thread(enc.entered.wait, WAIT_S)
+        rest = [asyncio.ensure_future(b.embed([ids])) for ids in inputs]
+        await asyncio.sleep(0.05)
+        enc.gate.set()
+        outs = await asyncio.gather(first, *rest)
+        await b.shutdown()
+        return [o[0].tolist() for o in outs[1:]]
+
+    return run(main())
+
+
+def test_merging_tops_up_a_bucket_within_the_padding_bound():
+    # Queued: 8 and 7 tokens (bucket 8), 4 and 2 (bucket 4), 16 (bucket 16).
+    inputs = [seq(10, 8), seq(11, 7), seq(12, 4), seq(13, 2), seq(14, 16)]
+    enc = FakeEncoder(gated=True)
+    b = make_batcher(enc, max_merged_padding=0.25)
+    assert _queue_while_busy(enc, b, inputs) == [expected(i) for i in inputs]
+    # Bucket 8 runs first (earliest input) and takes the 4-token input: 1 - 19 / 24 = 0.21.
+    # Adding the 2-token one (1 - 21 / 32) or padding to 16 (1 - 35 / 64) would pass 0.25.
+    assert enc.calls == [(1, 4), (3, 8), (1, 4), (1, 16)]
+    assert enc.batches == [[1], [10, 11, 12], [13], [14]]
+    assert b.stats.merged_batches == 1
+    assert b.stats.batches_per_bucket == {4: 2, 8: 1, 16: 1}
+    assert b.stats.computed_tokens == 4 + 24 + 4 + 16
+
+
+def test_merging_off_or_tighter_bound_keeps_buckets_apart():
+    inputs = [seq(10, 8), seq(11, 7), seq(12, 4), seq(13, 2), seq(14, 16)]
+    for bound in (0.0, 0.2):  # the 4-token input would make the batch 0.21 padding
+        enc = FakeEncoder(gated=True)
+        b = make_batcher(enc, max_merged_padding=bound)
+        assert _queue_while_busy(enc, b, inputs) == [expected(i) for i in inputs]
+        assert enc.batches == [[1], [10, 11], [12, 13], [14]]
+        assert b.stats.merged_batches == 0
+
+
+def test_merging_can_pad_up_to_a_larger_bucket():
+    # 5 tokens alone in bucket 8; 16 and 15 in bucket 16. Padded to 16: 1 - 36 / 48 = 0.25.
+    inputs = [seq(10, 5), seq(11, 16), seq(12, 15)]
+    enc = FakeEncoder(gated=True)
+    b = make_batcher(enc, max_merged_padding=0.25)
+    assert _queue_while_busy(enc, b, inputs) == [expected(i) for i in inputs]
+    assert enc.calls == [(1, 4), (3, 16)]
+    assert sorted(enc.batches[1]) == [10, 11, 12]
+
+
+def test_merging_respects_the_token_budget_and_full_buckets():
+    # max_batch_tokens 32: bucket 8 holds 4 inputs, bucket 16 only 2. Even with no padding
+    # bound, bucket 8's two inputs cannot be padded into a batch of 3 at length 16, and a full
+    # bucket (4 inputs of bucket 4) runs as it is.
+    inputs = [seq(10, 8), seq(11, 8), seq(12, 16), seq(13, 15)]
+    enc = FakeEncoder(gated=True)
+    b = make_batcher(enc, max_batch_tokens=32, max_merged_padding=1.0)
+    assert _queue_while_busy(enc, b, inputs) == [expected(i) for i in inputs]
+    assert enc.calls == [(1, 4), (2, 8), (2, 16)]
+
+    full = [seq(20 + i, 4) for i in range(4)] + [seq(30, 3)]
+    enc = FakeEncoder(gated=True)
+    b = make_batcher(enc, max_merged_padding=1.0)
+    assert _queue_while_busy(enc, b, full) == [expected(i) for i in full]
+    assert enc.batches[1] == [20, 21, 22, 23]
+
+
+@pytest.mark.parametrize("bound", [0.1, 0.2, 0.3])
+def test_merged_batches_stay_within_the_bound(bound):
+    import random
+
+    rng = random.Random(int(bound * 100))
+    boundaries = tuple(range(4, 65, 4))
+    inputs = [seq(10 + i, rng.randint(1, 64)) for i in range(32)]
+    enc = FakeEncoder(gated=True)
+    b = make_batcher(enc, boundaries=boundaries, preferred_batch_size=8, max_batch_tokens=256,
+                     max_merged_padding=bound)
+    assert _queue_while_busy(enc, b, inputs) == [expected(i) for i in inputs]
+    spec = b.spec
+    merged = 0
+    for (B, L), firsts in zip(enc.calls[1:], enc.batches[1:], strict=True):
+        lengths = [len(inputs[f - 10]) for f in firsts]
+        assert L in boundaries and max(spec.lookup(n) for n in lengths) == L
+        assert B <= b.capacity(L)
+        if any(spec.lookup(n) != L for n in lengths):
+            merged += 1
+            assert 1 - sum(lengths) / (B * L) <= bound + 1e-12, (lengths, L)
+    assert merged == b.stats.merged_batches > 0
+    assert b.stats.num_inputs == len(inputs) + 1

@@ -156,10 +156,13 @@ def _batched(ours, token_ids, groups, **batcher_kw) -> list[torch.Tensor]:
             out[i] = v
     # Every bucket ran at its own length: rows were padded to a boundary, never beyond.
     assert set(batcher.stats.batches_per_bucket) <= set(batcher_kw["boundaries"])
+    if batcher_kw.get("max_merged_padding"):  # the layout is meant to merge buckets
+        assert batcher.stats.merged_batches > 0
     return out  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("layout", ["one_request", "single_requests", "random_groups"])
+@pytest.mark.parametrize("layout", ["one_request", "single_requests", "random_groups",
+                                    "merged_buckets"])
 def test_batch_compositions(ours, mixed_texts, reference, layout):
     token_ids = ours.tokenizer.encode_batch(mixed_texts)
     n = len(token_ids)
@@ -172,6 +175,12 @@ def test_batch_compositions(ours, mixed_texts, reference, layout):
         groups = [[i] for i in rng.sample(range(n), n)]
         kw = dict(boundaries=(8, 24, 40, 128, 192, 256), preferred_batch_size=3,
                   max_batch_tokens=8192, max_queue_delay_ms=20.0)
+    elif layout == "merged_buckets":
+        # Fine buckets, few inputs each, merging unbounded: batches mix lengths 1..256 tokens,
+        # short inputs padded far beyond their own bucket.
+        groups = [[i] for i in rng.sample(range(n), n)]
+        kw = dict(boundaries=tuple(range(16, 257, 16)), preferred_batch_size=6,
+                  max_batch_tokens=8192, max_queue_delay_ms=20.0, max_merged_padding=1.0)
     else:
         order = rng.sample(range(n), n)
         cuts = sorted(rng.sample(range(1, n), 5))

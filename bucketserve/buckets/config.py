@@ -131,6 +131,14 @@ def _fraction(value: Any) -> float:
     return number
 
 
+def _closed_fraction(value: Any) -> float:
+    what = "a number in [0, 1], e.g. 0.1"
+    number = _number(value, what)
+    if not 0 <= number <= 1:
+        raise _Bad(f"got {value}; expected {what}")
+    return number
+
+
 POLICIES = ("fcfs", "priority")
 
 
@@ -168,6 +176,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
         "max_batch_tokens": (_positive_int, "embedding.max_batch_tokens"),
         "max_queue_delay_ms": (_non_negative_float, "embedding.max_queue_delay_ms"),
         "max_inputs_per_request": (_positive_int, "embedding.max_inputs_per_request"),
+        "max_merged_padding": (_closed_fraction, "embedding.max_merged_padding"),
     },
 }
 
@@ -180,6 +189,7 @@ class EmbeddingConfig:
     max_batch_tokens: int
     max_queue_delay_ms: float
     max_inputs_per_request: int
+    max_merged_padding: float  # padding-waste bound of a batch merged from several buckets
 
     @property
     def spec(self) -> BucketSpec:

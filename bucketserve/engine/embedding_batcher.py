@@ -10,6 +10,13 @@ Batching model (the code below follows it):
 3. The worker thread runs, among the ready buckets, the one holding the best input: lowest
    priority value, then earliest arrival (policy "fcfs" ignores priority). It takes up to cap
    inputs in that same order and runs them as one [B, Lb] batch: rows padded to Lb, never more.
+   Merging (max_merged_padding > 0): when that bucket holds fewer than cap inputs, the batch is
+   topped up with queued inputs of other buckets (ready or not), padded to the largest bucket
+   length among them, so the batch still has a bucket shape [B, Lb'] with Lb' a boundary. Step
+   by step it adds the k longest queued inputs of one other bucket (any k that fits), choosing
+   the bucket and k that leave the least padding, as long as the batch's padding waste
+   1 - sum(lengths) / (B * Lb') stays <= max_merged_padding and B stays <= cap of Lb'. Online, a few inputs spread over many fine buckets thus run as one batch
+   instead of one small batch per bucket; a bucket that fills up alone is never merged.
 4. A request's inputs may land in several buckets and batches; each result is stored at its
    input's index, and the request completes when its last input does (input order kept).
 5. An input that waited longer than queue_timeout_s fails its whole request (QueueTimeoutError);
@@ -64,6 +71,7 @@ class BatcherStats:
         default_factory=lambda: [0] * (len(QUEUE_DELAY_BUCKETS) + 1))
     queue_delay_sum_s: float = 0.0
     encoder_s: float = 0.0  # wall time spent in encode (batch building excluded)
+    merged_batches: int = 0  # batches holding inputs of more than one bucket (merging)
 
     @property
     def num_batches(self) -> int:
@@ -74,7 +82,9 @@ class BatcherStats:
         """Fraction of computed tokens that were padding."""
         return 1.0 - self.useful_tokens / self.computed_tokens if self.computed_tokens else 0.0
 
-    def record_batch(self, bucket_len: int, lengths: list[int], delays_s: list[float]) -> None:
+    def record_batch(self, bucket_len: int, lengths: list[int], delays_s: list[float],
+                     merged: bool = False) -> None:
+        self.merged_batches += merged
         self.batches_per_bucket[bucket_len] = self.batches_per_bucket.get(bucket_len, 0) + 1
         size = len(lengths)
         self.batch_size_counts[size] = self.batch_size_counts.get(size, 0) + 1
@@ -146,6 +156,7 @@ class EmbeddingBatcher:
         max_waiting: int = 1024,
         policy: str = "priority",
         pad_token_id: int = 0,
+        max_merged_padding: float = 0.0,
     ) -> None:
         self.encode = encode
         self.spec = BucketSpec(boundaries)
@@ -159,6 +170,10 @@ class EmbeddingBatcher:
         self.max_waiting = max_waiting
         self.use_priority = policy == "priority"
         self.pad_token_id = pad_token_id
+        if not 0.0 <= max_merged_padding <= 1.0:
+            raise ValueError(f"max_merged_padding {max_merged_padding} is not a fraction in "
+                             "[0, 1]; 0 turns bucket merging off")
+        self.max_merged_padding = max_merged_padding
         self.stats = BatcherStats()
 
         self._queues: dict[int, list[_Item]] = {b: [] for b in self.spec.boundaries}
@@ -173,7 +188,8 @@ class EmbeddingBatcher:
                     max_waiting: int = 1024, policy: str = "priority",
                     pad_token_id: int = 0) -> EmbeddingBatcher:
         return cls(encode, cfg.boundaries, cfg.preferred_batch_size, cfg.max_batch_tokens,
-                   cfg.max_queue_delay_ms, queue_timeout_s, max_waiting, policy, pad_token_id)
+                   cfg.max_queue_delay_ms, queue_timeout_s, max_waiting, policy, pad_token_id,
+                   cfg.max_merged_padding)
 
     @property
     def max_len(self) -> int:
@@ -287,7 +303,11 @@ class EmbeddingBatcher:
                 else:
                     wake_at = ready_at if wake_at is None else min(wake_at, ready_at)
             if best is not None:
-                return best[1], self._take(best[1])
+                bucket_len = best[1]
+                items = self._take(bucket_len)
+                if len(items) < self.capacity(bucket_len) and self.max_merged_padding > 0:
+                    bucket_len = self._merge(bucket_len, items)
+                return bucket_len, items
             self._cond.wait(None if wake_at is None else max(wake_at - now, 0.0))
         return None
 
@@ -315,6 +335,47 @@ class EmbeddingBatcher:
             self._queues[bucket_len] = [q[i] for i in range(len(q)) if i not in chosen]
         return taken
 
+    def _merge(self, bucket_len: int, items: list[_Item]) -> int:
+        """Under the lock: tops `items` (taken from bucket_len) up with inputs of other buckets
+        while the batch's padding waste stays <= max_merged_padding (docstring point 3); moves
+        them out of their queues into `items`. Returns the batch's length, a boundary."""
+        # Candidates of each other bucket, longest first (least padding at a given length),
+        # ties by priority / arrival. cursor[b]: how many of them are already taken.
+        candidates = {
+            b: sorted(q, key=lambda it: (-len(it.ids), it.sort_key(self.use_priority)))
+            for b, q in self._queues.items() if q and b != bucket_len}
+        cursor = dict.fromkeys(candidates, 0)
+        useful = sum(len(item.ids) for item in items)
+        length = bucket_len
+        while True:
+            # (waste after adding, -k, bucket, k): the least padding, then the most inputs.
+            best: tuple[float, int, int, int] | None = None
+            for b, cands in candidates.items():
+                new_len = max(length, b)
+                added = 0
+                # Adding k > 1 at once matters when b is larger than the batch: one long
+                # input alone may not dilute the padding of the short ones enough, a few do.
+                for k in range(1, min(len(cands) - cursor[b],
+                                      self.capacity(new_len) - len(items)) + 1):
+                    added += len(cands[cursor[b] + k - 1].ids)
+                    waste = 1.0 - (useful + added) / ((len(items) + k) * new_len)
+                    option = (waste, -k, b, k)
+                    if waste <= self.max_merged_padding and (best is None or option < best):
+                        best = option
+            if best is None:
+                break
+            _, _, b, k = best
+            for item in candidates[b][cursor[b]:cursor[b] + k]:
+                items.append(item)
+                useful += len(item.ids)
+            cursor[b] += k
+            length = max(length, b)
+        for b, n in cursor.items():
+            if n:
+                taken = {id(item) for item in candidates[b][:n]}
+                self._queues[b] = [item for item in self._queues[b] if id(item) not in taken]
+        return length
+
     def _run_batch(self, bucket_len: int, items: list[_Item]) -> None:
         # input_ids / mask [B, Lb]: row r holds items[r].ids then padding.
         B = len(items)
@@ -335,8 +396,10 @@ class EmbeddingBatcher:
             return
         out = out.cpu()
         self.stats.encoder_s += time.monotonic() - start
-        self.stats.record_batch(bucket_len, [len(item.ids) for item in items],
-                                [start - item.arrival for item in items])
+        lengths = [len(item.ids) for item in items]
+        merged = any(self.spec.lookup(n) != bucket_len for n in lengths)
+        self.stats.record_batch(bucket_len, lengths, [start - item.arrival for item in items],
+                                merged)
         with self._cond:
             for r, item in enumerate(items):
                 req = item.request

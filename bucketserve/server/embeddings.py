@@ -101,6 +101,8 @@ class BatcherStatsCollector(Collector):
             ("bucketserve_embedding_requests", s.num_requests, "Embedding requests accepted."),
             ("bucketserve_embedding_encoder_seconds", s.encoder_s,
              "Wall time the encoder spent running batches."),
+            ("bucketserve_embedding_merged_batches", s.merged_batches,
+             "Batches merged from several buckets (embedding.max_merged_padding)."),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("bucketserve_embedding_requests_waiting",
