@@ -9,14 +9,16 @@ Batching model (the code below follows it):
    or when its oldest input has waited max_queue_delay_ms.
 3. The worker thread runs, among the ready buckets, the one holding the best input: lowest
    priority value, then earliest arrival (policy "fcfs" ignores priority). It takes up to cap
-   inputs in that same order and runs them as one [B, Lb] batch: rows padded to Lb, never more.
+   inputs in that same order and runs them as one [B, Lb] batch: rows padded to Lb, never more
+   (without merging).
    Merging (max_merged_padding > 0): when that bucket holds fewer than cap inputs, the batch is
    topped up with queued inputs of other buckets (ready or not), padded to the largest bucket
    length among them, so the batch still has a bucket shape [B, Lb'] with Lb' a boundary. Step
    by step it adds the k longest queued inputs of one other bucket (any k that fits), choosing
    the bucket and k that leave the least padding, as long as the batch's padding waste
-   1 - sum(lengths) / (B * Lb') stays <= max_merged_padding and B stays <= cap of Lb'. Online, a few inputs spread over many fine buckets thus run as one batch
-   instead of one small batch per bucket; a bucket that fills up alone is never merged.
+   1 - sum(lengths) / (B * Lb') stays <= max_merged_padding and B stays <= cap of Lb'. Online,
+   a few inputs spread over many fine buckets thus run as one batch instead of one small batch
+   per bucket; a batch that its own bucket fills (cap inputs) is never topped up.
 4. A request's inputs may land in several buckets and batches; each result is stored at its
    input's index, and the request completes when its last input does (input order kept).
 5. An input that waited longer than queue_timeout_s fails its whole request (QueueTimeoutError);
@@ -142,7 +144,8 @@ class EmbeddingBatcher:
     """Queues token-id inputs per length bucket and runs ready buckets on `encode`.
 
     encode(input_ids [B, Lb] long, attention_mask [B, Lb] bool) -> embeddings [B, D] float;
-    padding is on the right with pad_token_id.
+    padding is on the right with pad_token_id. max_merged_padding: the merge bound of point 3
+    in the module docstring (0 = no merging; the shipped TOML default is 0.1).
     """
 
     def __init__(
