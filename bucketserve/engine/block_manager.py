@@ -43,14 +43,17 @@ class BlockManager:
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to add so that the sequence's table covers its computed + new tokens."""
-        total = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
-        return max(0, total - len(seq.block_table))
+        # (runs for every sequence every step: arithmetic inline, no helper calls)
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        return need if need > 0 else 0
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_blocks_needed(seq, num_new_tokens) <= len(self._free)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         need = self.num_blocks_needed(seq, num_new_tokens)
+        if need == 0:
+            return
         if need > len(self._free):
             raise RuntimeError(f"allocate() without can_allocate(): need {need}, free {len(self._free)}")
         for _ in range(need):

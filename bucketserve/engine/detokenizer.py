@@ -7,6 +7,12 @@ past the already-emitted tokens' text. The window gives the tokenizer the left c
 BPE may split a character over tokens). While the decoded window ends in U+FFFD (an incomplete
 multi-byte character) nothing is emitted and the window keeps growing.
 
+ByteLevelDetokenizer is the fast path for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2,
+SmolLM2), whose decode is the lossy UTF-8 decoding of the tokens' concatenated bytes: each
+token adds its bytes to an incremental UTF-8 decoder, which holds back an incomplete
+character by itself. No tokenizer call per token (the window decode above costs two).
+`make_detokenizer` picks it when the tokenizer says it is byte-level.
+
 Known limit: a decoder whose clean-up rewrites text across the window edge (e.g. a
 " ' " -> "'" rule) could differ from a one-shot decode; the byte-level BPE and WordPiece
 tokenizers tested in tests/test_detokenizer.py do not.
@@ -14,6 +20,7 @@ tokenizers tested in tests/test_detokenizer.py do not.
 
 from __future__ import annotations
 
+import codecs
 from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
@@ -64,6 +71,35 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.prefix_offset = max(self.read_offset - _WINDOW, 0)
         return new_text
+
+
+class ByteLevelDetokenizer:
+    """step(new_token_ids) -> text completed by them; flush() -> anything still held back.
+
+    The output text is the decode of the output ids alone (a byte-level decode has no left
+    context to take from the prompt)."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        self._bytes = tokenizer.token_bytes
+        self._skip = tokenizer.all_special_ids if skip_special_tokens else frozenset()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, new_token_ids: list[int]) -> str:
+        skip = self._skip
+        data = b"".join(self._bytes(t) for t in new_token_ids if t not in skip)
+        return self._utf8.decode(data) if data else ""
+
+    def flush(self) -> str:
+        """U+FFFD for bytes of a character that never completed, as a one-shot decode."""
+        return self._utf8.decode(b"", final=True)
+
+
+def make_detokenizer(tokenizer, prompt_token_ids: list[int],
+                     skip_special_tokens: bool = True) -> IncrementalDetokenizer | ByteLevelDetokenizer:
+    """The byte-level fast path where the tokenizer allows it, else the window decoder."""
+    if getattr(tokenizer, "is_byte_level", False):
+        return ByteLevelDetokenizer(tokenizer, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
 
 
 class StopStringMatcher:

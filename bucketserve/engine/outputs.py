@@ -11,7 +11,7 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting`: the caller should retry later."""
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
@@ -24,4 +24,5 @@ class RequestOutput:
     num_output_tokens: int
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_scheduled, first_token, finished (monotonic s)
+    # in the final output only: arrival, first_scheduled, first_token, finished (monotonic s)
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -126,12 +126,15 @@ class Scheduler:
         chosen: dict[int, int] = {}  # id(seq) -> new tokens
         preempted = 0
 
+        running_status = SequenceStatus.RUNNING
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running_status:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = len(seq.token_ids) - seq.num_computed_tokens
+            if n > budget:
+                n = budget
             while not self.blocks.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -139,7 +142,7 @@ class Scheduler:
                 preempted += 1
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running_status:
                 continue
             self.blocks.allocate(seq, n)
             chosen[id(seq)] = n
@@ -223,11 +226,14 @@ class Scheduler:
         """Advances the sequences of `batch`; `sampled[i]` is the new token of
         batch.seqs[i] (None when it is still in its prompt). Returns those that finished."""
         finished: list[Sequence] = []
+        finished_status = SequenceStatus.FINISHED
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
-            if seq.is_finished:
+            if seq.status is finished_status:
                 continue
-            seq.num_computed_tokens += n
-            seq.num_ever_computed = max(seq.num_ever_computed, seq.num_computed_tokens)
+            computed = seq.num_computed_tokens + n
+            seq.num_computed_tokens = computed
+            if computed > seq.num_ever_computed:
+                seq.num_ever_computed = computed
             if token is None:
                 continue
             seq.token_ids.append(token)
@@ -239,11 +245,13 @@ class Scheduler:
 
     def _token_stop(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            if token in p.stop_token_ids:
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output >= p.min_tokens:
+            if p.stop_token_ids and token in p.stop_token_ids:
                 return FinishReason.STOP
             if not p.ignore_eos and token in self.eos_token_ids:
                 return FinishReason.STOP
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= p.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None

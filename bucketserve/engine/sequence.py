@@ -35,6 +35,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k alternatives
     skip_special_tokens: bool = True
+    # False: token ids only, no text (no detokenizer work per token; stop strings need text)
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +69,8 @@ class SamplingParams:
              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
              f"logprobs must be between 0 and 20, got {self.logprobs}")
+        need(self.detokenize or not self.stop, "stop",
+             "stop strings need the output text: drop `stop` or keep detokenize on")
 
 
 class SequenceStatus(enum.Enum):

@@ -91,6 +91,23 @@ def _token_content(tok: Any) -> str | None:
     return tok
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level BPE alphabet: each of the 256 byte values is written as one printable
+    character. Printable Latin-1 bytes stand for themselves; the others (controls, space,
+    DEL, NBSP, soft hyphen) take the code points from 256 upwards, in byte order."""
+    own = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {chr(b): b for b in own}
+    extra = 0
+    for b in range(256):
+        if b not in own:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL_CHARS = _byte_level_chars()
+
+
 class Tokenizer:
     def __init__(self, backend: _Backend, *, bos_token: str | None = None,
                  eos_token: str | None = None, extra_eos_ids: Sequence[int] = (),
@@ -105,6 +122,7 @@ class Tokenizer:
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.all_special_ids: set[int] = {
             i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        self._token_bytes: dict[int, bytes] = {}
 
     # ---- text <-> ids ----------------------------------------------------------------------
 
@@ -119,6 +137,31 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    @cached_property
+    def is_byte_level(self) -> bool:
+        """True when decoding is the plain byte-level one: decode(ids) is the UTF-8 (lossy)
+        decoding of the concatenated `token_bytes` of the ids. Streams then detokenize a
+        token at a time without calling the tokenizer (engine/detokenizer.py)."""
+        return isinstance(self._tok.decoder, decoders.ByteLevel)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for under byte-level decoding (`is_byte_level`); a
+        token written outside the byte alphabet (e.g. an added token) stands for its own
+        UTF-8 text, as the tokenizers library decodes it. Cached per id."""
+        cache = self._token_bytes
+        got = cache.get(token_id)
+        if got is None:
+            text = self._tok.id_to_token(token_id)
+            if text is None:
+                raise ValueError(f"token id {token_id} is outside the vocabulary")
+            chars = _BYTE_LEVEL_CHARS
+            if all(c in chars for c in text):
+                got = bytes(chars[c] for c in text)
+            else:
+                got = text.encode("utf-8")
+            cache[token_id] = got
+        return got
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
