@@ -4,10 +4,13 @@ Workload: the seeded 256-request mix of ../shared/bench/hf_peers_gpu.py (same se
 random calls: prompt lengths log-uniform 16..1024 as random token ids, max_tokens uniform
 16..256, EOS ignored, all requests at t=0), dummy bf16 weights, shapes SmolLM2-135M and
 Llama-3.2-1B. bucketserve runs through LLMEngine.generate (scheduler, runner, sampler,
-incremental detokenization with a word-level tokenizer over the model's vocabulary), after
-a 16-request warm-up, as the vLLM peer script does.
+outputs), after a 16-request warm-up, as the vLLM peer script does. Like the peers (vLLM with
+detokenize=False, transformers returning ids), it returns token ids without text
+(SamplingParams.detokenize=False); `--detokenize` turns text on (a word-level tokenizer over
+the model's vocabulary, which takes the window detokenizer, the slow path).
 
-    python3 bench/gpu_throughput.py --out $OUT [--peers PATH/hf_peers_gpu.py] [--profile]
+    python3 bench/gpu_throughput.py --out $OUT [--peers PATH/hf_peers_gpu.py]
+        [--vllm PATH/vllm_peer_gpu.py] [--profile] [--detokenize]
 
 Also: decode step time (runner.run of a pure-decode batch, host work included) at batch
 1/8/64/256 with context 512, graphs on and off, beside the bytes-moved lower bound
@@ -119,10 +122,11 @@ def ntok_first(outs) -> int:
 
 
 def run_bucketserve(engine: LLMEngine, reqs, device: str, profile: bool = False,
-                    repeats: int = 3) -> dict:
+                    repeats: int = 3, detokenize: bool = False) -> dict:
     """Times generate() over the whole workload; with `profile`, runs it a second time under
     cProfile (host hot spots; the timed run is not profiled)."""
-    params = [SamplingParams(max_tokens=t, temperature=0.0, ignore_eos=True) for _, t in reqs]
+    params = [SamplingParams(max_tokens=t, temperature=0.0, ignore_eos=True, detokenize=detokenize)
+              for _, t in reqs]
     prompts = [p for p, _ in reqs]
     engine.generate(prompts[:16], params[:16])  # warm-up, as the vLLM peer does
     steps_before = engine.stats.num_steps
@@ -241,6 +245,20 @@ def run_peers(path: str, out_dir: str, only: str) -> list[dict]:
     return rows
 
 
+def run_vllm(path: str, shape: str, out_dir: str) -> list[dict]:
+    """../shared/bench/vllm_peer_gpu.py SHAPE in a subprocess (vLLM importable from the
+    environment this script runs in)."""
+    env = dict(os.environ, OUT=out_dir, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               VLLM_USE_FLASHINFER_SAMPLER="0")
+    proc = subprocess.run([sys.executable, path, shape], env=env, capture_output=True, text=True,
+                          timeout=560)
+    rows = [json.loads(line) for line in proc.stdout.splitlines()
+            if line.startswith("{") and '"system"' in line]
+    if proc.returncode or not rows:
+        rows.append({"system": "vllm", "model": shape, "error": proc.stderr[-3000:]})
+    return rows
+
+
 def run_mode(res: dict, shape: str, mode: str, device: str, dtype: torch.dtype, tok, reqs,
              batches: list[int], args, bw: float | None) -> None:
     """mode: graphs | eager, + "_unfused" (no fused Triton ops) / "_8k" (8192-token steps)."""
@@ -252,8 +270,8 @@ def run_mode(res: dict, shape: str, mode: str, device: str, dtype: torch.dtype, 
                          tmp_dir=tempfile.gettempdir())
     start_s = time.perf_counter() - t0
     r = run_bucketserve(engine, reqs, device, profile=args.profile and mode == "graphs",
-                        repeats=args.repeats)
-    r.update(model=shape, mode=mode, startup_s=start_s, cuda_info=engine.cuda_info,
+                        repeats=args.repeats, detokenize=args.detokenize)
+    r.update(model=shape, mode=mode, detokenize=args.detokenize, startup_s=start_s, cuda_info=engine.cuda_info,
              kv_blocks=engine.block_manager.num_usable_blocks)
     prof = r.pop("profile_top", None)
     print(json.dumps(r), flush=True)
@@ -284,6 +302,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the graphs run")
     ap.add_argument("--peers", default=None, help="path of hf_peers_gpu.py to run after ours")
     ap.add_argument("--peers-only", default="hf_static_bs64,hf_continuous,hf_continuous_graphs")
+    ap.add_argument("--vllm", default=None, help="path of vllm_peer_gpu.py, run per shape first")
+    ap.add_argument("--detokenize", action="store_true", help="bucketserve returns text too")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = args.device
@@ -300,6 +320,12 @@ def main() -> None:
         out_json.write_text(json.dumps(res, indent=1))
 
     batches = [int(b) for b in args.batches.split(",") if b]
+    if args.vllm:  # before ours: its start-up holds most of the GPU memory, then exits
+        for shape in args.shapes.split(","):
+            for row in run_vllm(args.vllm, shape, args.out):
+                res["runs"].append(row)
+                print(json.dumps(row)[:3000], flush=True)
+            save()
     for shape in args.shapes.split(","):
         vocab = SHAPES[shape]["vocab_size"]
         tok = word_tokenizer(vocab)
