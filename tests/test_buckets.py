@@ -28,7 +28,7 @@ from bucketserve.buckets.__main__ import main as cli_main
 DOCUMENTED_DEFAULTS = {
     "prefill": {"boundaries": [16, 32, 64, 128, 256, 512, 1024, 2048]},
     "decode": {"batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]},
-    "scheduler": {"max_running": 256, "max_batched_tokens": 2048, "max_waiting": 1024,
+    "scheduler": {"max_running": 256, "max_batched_tokens": "auto", "max_waiting": 1024,
                   "queue_timeout_s": 600.0, "policy": "priority"},
     "kv_cache": {"block_size": 16, "cpu_memory_gib": 2.0, "gpu_memory_fraction": 0.9},
     "embedding": {"boundaries": [16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256, 320, 384, 448, 512], "preferred_batch_size": 32,
@@ -128,6 +128,20 @@ def test_small_token_budget_is_legal(tmp_path: Path) -> None:
     assert config.max_batched_tokens == 1 < config.prefill_boundaries[-1]
 
 
+def test_step_token_budget_auto_is_per_device(tmp_path: Path) -> None:
+    from bucketserve.buckets.config import AUTO_STEP_TOKENS
+
+    auto = load_buckets()
+    assert auto.max_batched_tokens == "auto"
+    assert auto.step_token_budget("cpu") == AUTO_STEP_TOKENS["cpu"] == 2048
+    assert auto.step_token_budget("cuda") == AUTO_STEP_TOKENS["cuda"] == 8192
+    assert auto.step_token_budget("mps") == 2048  # devices without their own default: CPU's
+    assert 'max_batched_tokens = "auto"' in auto.to_toml()
+    # a value the user sets holds on every device
+    fixed = load_buckets(write(tmp_path, "[scheduler]\nmax_batched_tokens = 512\n"))
+    assert fixed.step_token_budget("cpu") == fixed.step_token_budget("cuda") == 512
+
+
 def test_gpu_memory_fraction_one_is_legal(tmp_path: Path) -> None:
     assert load_buckets(write(tmp_path, "[kv_cache]\ngpu_memory_fraction = 1\n")
                         ).gpu_memory_fraction == 1.0
@@ -186,7 +200,11 @@ INVALID = [
     ("[kv_cache]\nblock_size = 16.0\n", "kv_cache.block_size", ["float", "positive integer"]),
     ("[scheduler]\nmax_waiting = 0\n", "scheduler.max_waiting", ["got 0", ">= 1"]),
     ("[kv_cache]\nblock_size = -16\n", "kv_cache.block_size", ["-16", ">= 1"]),
-    ("[scheduler]\nmax_batched_tokens = 0\n", "scheduler.max_batched_tokens", [">= 1"]),
+    ("[scheduler]\nmax_batched_tokens = 0\n", "scheduler.max_batched_tokens", [">= 1", '"auto"']),
+    ('[scheduler]\nmax_batched_tokens = "fast"\n', "scheduler.max_batched_tokens",
+     ["string", "'fast'", 'or "auto"']),
+    ("[scheduler]\nmax_batched_tokens = 8192.0\n", "scheduler.max_batched_tokens",
+     ["float", 'or "auto"']),
     ("[embedding]\npreferred_batch_size = 0\n", "embedding.preferred_batch_size", [">= 1"]),
     ("[embedding]\nmax_inputs_per_request = false\n", "embedding.max_inputs_per_request",
      ["boolean"]),

@@ -83,6 +83,23 @@ def _positive_int(value: Any) -> int:
     return value
 
 
+# `max_batched_tokens = "auto"`: the step token budget by device. A GPU step of a few thousand
+# tokens costs little more than a decode step (the weights are read once either way), so larger
+# steps finish prompts in fewer steps; on CPU the step time grows with its tokens, and a smaller
+# budget keeps decodes that share the step from stalling behind long prompts.
+AUTO_STEP_TOKENS = {"cpu": 2048, "cuda": 8192}
+
+
+def _step_tokens(value: Any) -> int | str:
+    if value == "auto":
+        return value
+    if not _is_int(value):
+        raise _Bad(f'{_got(value)}; expected a positive integer or "auto"')
+    if value < 1:
+        raise _Bad(f'got {value}; expected a positive integer (>= 1) or "auto"')
+    return value
+
+
 def _increasing_ints(value: Any) -> tuple[int, ...]:
     expected = "expected a non-empty array of strictly increasing positive integers, e.g. [16, 32, 64]"
     if not isinstance(value, list):
@@ -160,7 +177,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
     "decode": {"batch_sizes": (_increasing_ints, "decode_batch_sizes")},
     "scheduler": {
         "max_running": (_positive_int, "max_running"),
-        "max_batched_tokens": (_positive_int, "max_batched_tokens"),
+        "max_batched_tokens": (_step_tokens, "max_batched_tokens"),
         "max_waiting": (_positive_int, "max_waiting"),
         "queue_timeout_s": (_positive_float, "queue_timeout_s"),
         "policy": (_policy, "policy"),
@@ -201,7 +218,7 @@ class BucketsConfig:
     prefill_boundaries: tuple[int, ...]
     decode_batch_sizes: tuple[int, ...]
     max_running: int
-    max_batched_tokens: int
+    max_batched_tokens: int | str  # tokens, or "auto": see step_token_budget
     max_waiting: int
     queue_timeout_s: float
     policy: str
@@ -213,6 +230,13 @@ class BucketsConfig:
     # the dotted keys the user file set (defaults may be adapted to the model; user values not).
     source: str = field(default="<defaults>", compare=False)
     user_keys: frozenset[str] = field(default=frozenset(), compare=False)
+
+    def step_token_budget(self, device_type: str) -> int:
+        """max_batched_tokens on a device ("cpu", "cuda"): the set value, or for "auto" the
+        device's default (AUTO_STEP_TOKENS; the CPU one for other devices)."""
+        if self.max_batched_tokens == "auto":
+            return AUTO_STEP_TOKENS.get(device_type, AUTO_STEP_TOKENS["cpu"])
+        return int(self.max_batched_tokens)
 
     @property
     def prefill_spec(self) -> BucketSpec:

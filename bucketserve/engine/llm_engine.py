@@ -44,6 +44,8 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.buckets = buckets
         self.device = torch.device(device)
+        # the step token budget on this device ("auto" resolves per device)
+        self.max_batched_tokens = buckets.step_token_budget(self.device.type)
         cfg = loaded.config
         dtype = next(loaded.model.parameters()).dtype
         per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
@@ -56,7 +58,7 @@ class LLMEngine:
             prefill_buckets=BucketSpec(buckets.prefill_boundaries),
             decode_buckets=BucketSpec(buckets.decode_batch_sizes),
             max_running=buckets.max_running,
-            max_batched_tokens=buckets.max_batched_tokens,
+            max_batched_tokens=self.max_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.tokenizer.eos_token_ids,
             policy=buckets.policy,
@@ -67,7 +69,7 @@ class LLMEngine:
         self.cuda_info: dict = {}
         if self.device.type == "cuda":
             self.cuda_info = self.runner.setup_cuda(
-                buckets.max_running, buckets.max_batched_tokens, self.max_model_len,
+                buckets.max_running, self.max_batched_tokens, self.max_model_len,
                 list(buckets.decode_batch_sizes), use_cuda_graphs=cuda_graphs)
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
@@ -92,7 +94,7 @@ class LLMEngine:
             cfg, b = self.loaded.config, self.buckets
             blocks, _ = gpu_kv_budget_blocks(
                 self.loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b.block_size,
-                next(self.loaded.model.parameters()).dtype, b.max_batched_tokens, b.max_running,
+                next(self.loaded.model.parameters()).dtype, self.max_batched_tokens, b.max_running,
                 self.max_model_len, b.gpu_memory_fraction, self.device)
             return max(2, min(blocks, useful))
         budget = self.buckets.cpu_memory_gib * 2**30

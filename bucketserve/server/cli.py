@@ -91,7 +91,7 @@ def load_engine(args: argparse.Namespace):
              list(buckets.decode_batch_sizes))
     log.info("scheduler: max_running %d, max_waiting %d, max_batched_tokens %d, queue timeout "
              "%.1f s, policy %s", buckets.max_running, buckets.max_waiting,
-             buckets.max_batched_tokens, buckets.queue_timeout_s, buckets.policy)
+             engine.max_batched_tokens, buckets.queue_timeout_s, buckets.policy)
     return AsyncEngine(engine), buckets
 
 
