@@ -111,8 +111,10 @@ def test_each_input_alone(ours, mixed_texts, reference):
 
 
 def test_packed_projections_equal_plain_ones(ours, mixed_texts):
-    """The loader switches the projections to MKL's packed sgemm on CPU; the plain F.linear
-    path (packed weights removed) gives the same vectors."""
+    """The loader lets the projections use MKL's packed sgemm on CPU for forwards of at most
+    PACKED_MAX_ROWS tokens; the plain F.linear path (packed weights removed) gives the same
+    vectors, on both sides of that limit."""
+    from bucketserve.models.bert import PACKED_MAX_ROWS
     from bucketserve.models.llama import Linear, mkl_packing_available
 
     linears = [m for m in ours.model.modules() if isinstance(m, Linear)]
@@ -120,20 +122,22 @@ def test_packed_projections_equal_plain_ones(ours, mixed_texts):
     if not mkl_packing_available():
         pytest.skip("this torch build has no MKL packed sgemm")
     assert all(m.packed is not None for m in linears)
-    token_ids = ours.tokenizer.encode_batch(mixed_texts[-4:])  # 129..256 tokens
-    L = max(map(len, token_ids))
-    ids = torch.tensor([t + [0] * (L - len(t)) for t in token_ids])
-    mask = torch.tensor([[i < len(t) for i in range(L)] for t in token_ids])
-    packed = ours.model(ids, mask)
-    saved = [m.packed for m in linears]
-    try:
-        for m in linears:
-            m.packed = None
-        plain = ours.model(ids, mask)
-    finally:
-        for m, p in zip(linears, saved, strict=True):
-            m.packed = p
-    assert F.cosine_similarity(packed, plain, dim=1).min().item() >= 0.999999
+    for texts in (mixed_texts[-1:], mixed_texts[-4:]):  # 1 x 256 and 4 x 256 tokens
+        token_ids = ours.tokenizer.encode_batch(texts)
+        L = max(map(len, token_ids))
+        ids = torch.tensor([t + [0] * (L - len(t)) for t in token_ids])
+        mask = torch.tensor([[i < len(t) for i in range(L)] for t in token_ids])
+        assert (ids.numel() <= PACKED_MAX_ROWS) == (len(texts) == 1)
+        packed = ours.model(ids, mask)
+        saved = [m.packed for m in linears]
+        try:
+            for m in linears:
+                m.packed = None
+            plain = ours.model(ids, mask)
+        finally:
+            for m, p in zip(linears, saved, strict=True):
+                m.packed = p
+        assert F.cosine_similarity(packed, plain, dim=1).min().item() >= 0.999999
 
 
 def _batched(ours, token_ids, groups, **batcher_kw) -> list[torch.Tensor]:

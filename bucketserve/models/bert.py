@@ -8,8 +8,8 @@ they never change a real token's result.
 
 Weight names follow Hugging Face's BertModel (with or without the "bert." prefix); query, key and
 value are fused into one [3H, H] projection at load time (bert_loader.py) for one GEMM per layer.
-On a float32 CPU model, `pack_cpu_weights()` switches every projection to MKL's packed sgemm (the
-Llama model's helpers): 1.3-2x faster forwards at the small batches of online serving.
+On a float32 CPU model, `pack_cpu_weights()` lets the projections use MKL's packed sgemm (the
+Llama model's helpers) for forwards of at most PACKED_MAX_ROWS tokens, where it is faster.
 """
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from bucketserve.models.llama import Linear, mkl_packing_available, pack_weight
+
+# Largest B * L for which the projections use MKL's packed sgemm. Measured on the 2-core dev
+# machine (whole forward, fastest of 12-16 interleaved runs, packed vs F.linear): 1x16 1.37x,
+# 1x208 1.08x, 1x256 1.16x, 2x144 1.09x faster; from ~350 rows on no faster (2x192 0.90x,
+# 3x144 0.99x, 4x128 0.95x) and slower at offline batch sizes (32x128 0.87x, 32x256 0.94x).
+PACKED_MAX_ROWS = 320
 
 # Pooling modes in the order sentence-transformers concatenates them when several are set.
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")
@@ -101,6 +107,17 @@ class BertEmbeddings(nn.Module):
         return self.LayerNorm(x)
 
 
+class _Linear(Linear):
+    """Llama's Linear (uninitialised parameters, the loader assigns them; optional packed
+    weight), using the packed weight only for inputs of at most PACKED_MAX_ROWS rows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, in] -> [T, out]
+        if x.shape[0] > PACKED_MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        return super().forward(x)
+
+
 class BertLayer(nn.Module):
     """Post-LN layer: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
 
@@ -109,13 +126,12 @@ class BertLayer(nn.Module):
         H = cfg.hidden_size
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.head_dim
-        # Llama's Linear: uninitialised parameters (the loader assigns them) and an optional MKL
-        # packed weight (pack_cpu_weights). It takes 2-D input, so layers work on [B * L, H].
-        self.qkv = Linear(H, 3 * H, bias=True)  # rows: [query; key; value]
-        self.attn_out = Linear(H, H, bias=True)
+        # Projections take 2-D input (MKL's packed sgemm does), so layers work on [B * L, H].
+        self.qkv = _Linear(H, 3 * H, bias=True)  # rows: [query; key; value]
+        self.attn_out = _Linear(H, H, bias=True)
         self.attn_norm = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
-        self.ffn_in = Linear(H, cfg.intermediate_size, bias=True)
-        self.ffn_out = Linear(cfg.intermediate_size, H, bias=True)
+        self.ffn_in = _Linear(H, cfg.intermediate_size, bias=True)
+        self.ffn_out = _Linear(cfg.intermediate_size, H, bias=True)
         self.ffn_norm = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
@@ -206,9 +222,10 @@ class BertEmbeddingModel(nn.Module):
         return self.config.hidden_size * len(self.pooling)
 
     def pack_cpu_weights(self) -> bool:
-        """Switches every projection of a float32 CPU model to MKL's packed sgemm (the original
-        weights stay, for autograd and for moving the model). Returns False, changing nothing,
-        where packing does not apply. Call again after changing the weights."""
+        """Lets every projection of a float32 CPU model use MKL's packed sgemm for forwards of
+        at most PACKED_MAX_ROWS tokens (the original weights stay, for larger forwards and for
+        autograd). Returns False, changing nothing, where packing does not apply. Call again
+        after changing the weights."""
         w = self.encoder.embeddings.word_embeddings.weight
         if w.device.type != "cpu" or w.dtype != torch.float32 or not mkl_packing_available():
             return False
