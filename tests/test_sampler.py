@@ -41,6 +41,19 @@ def test_greedy_is_argmax():
     assert Sampler({EOS})(logits, seqs).token_ids == torch.argmax(logits, dim=-1).tolist()
 
 
+def test_greedy_on_bf16_logits_equals_float32_argmax():
+    """The plain-greedy path takes the argmax on the logits' own dtype (bf16 on GPU): the same
+    token as on the float32 widening, also where bf16 rounding makes maxima tie (first wins)."""
+    logits = rand_logits(64, 4000, seed=5).to(torch.bfloat16)
+    logits[::4, 17] = logits[::4].max(dim=-1).values  # exact ties with a later column
+    seqs = [make_seq(temperature=0.0) for _ in range(64)]
+    got = Sampler({EOS})(logits, seqs).token_ids
+    assert got == torch.argmax(logits.float(), dim=-1).tolist()
+    # and the general path (one row asks for logprobs, so everything is widened) agrees
+    seqs[5] = make_seq(temperature=0.0, logprobs=1)
+    assert Sampler({EOS})(logits, seqs).token_ids == got
+
+
 def test_top_k_1_is_greedy_including_ties():
     logits = rand_logits(32, 300, seed=1)
     logits[0, 10] = logits[0, 20] = logits[0].max() + 1.0  # tie: argmax takes the first

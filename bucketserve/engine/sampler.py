@@ -41,11 +41,6 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]  # per row; None where the request asked for none
 
 
-def _has_penalty(seq: Sequence) -> bool:
-    p = seq.params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
 def _min_tokens_active(seq: Sequence) -> bool:
     return seq.num_output_tokens < seq.params.min_tokens
 
@@ -121,16 +116,22 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab], got {tuple(logits.shape)}")
+        # Common case: plain greedy everywhere -> one argmax, nothing else. The argmax runs on
+        # the logits' own dtype: widening to float32 is exact and keeps the order (and the
+        # first of tied maxima), so the result is the same without the [B, V] copy. The check
+        # is inlined: it runs for every sequence of every step.
+        plain = True
+        for s in seqs:
+            p = s.params
+            if (p.temperature >= 1e-5 or p.logprobs is not None or p.repetition_penalty != 1.0
+                    or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                    or (p.min_tokens and len(s.token_ids) - s.num_prompt_tokens < p.min_tokens)):
+                plain = False
+                break
+        if plain:
+            return SamplerOutput(torch.argmax(logits, dim=-1).tolist(), [None] * len(seqs))
         if logits.dtype != torch.float32:
             logits = logits.float()
-
-        # Common case: plain greedy everywhere -> one argmax, nothing else.
-        if all(
-            s.params.greedy and s.params.logprobs is None and not _has_penalty(s)
-            and not _min_tokens_active(s)
-            for s in seqs
-        ):
-            return SamplerOutput(torch.argmax(logits, dim=-1).tolist(), [None] * len(seqs))
 
         raw = logits
         logits = self.process_logits(logits, seqs)
