@@ -210,6 +210,7 @@ def main() -> None:
         serve_baseline(args.serve_baseline, args.port)
         return
 
+    load_at_start = os.getloadavg()  # (1, 5, 15 min) before this script's servers start
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from embeddings_offline import make_corpus
 
@@ -248,7 +249,6 @@ def main() -> None:
             wait_healthy(proc, logdir)
         print(f"{len(texts)} texts per round, {args.clients} clients, servers: {list(procs)}; "
               f"logs in {logdir}", flush=True)
-        load_at_start = os.getloadavg()  # before any load this script makes
         for proc in procs.values():  # warm-up
             asyncio.run(load(proc.bench_url, texts[:32], args.clients))  # type: ignore[attr-defined]
         rounds: dict[str, list[float]] = {name: [] for name in procs}
