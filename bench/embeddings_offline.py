@@ -105,6 +105,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args()
+    load_at_start = os.getloadavg()  # (1, 5, 15 min) before this script loads anything
     if args.threads:
         torch.set_num_threads(args.threads)
     from sentence_transformers import SentenceTransformer
@@ -128,7 +129,6 @@ def main() -> None:
           f"max_batch_tokens {batcher_kw['max_batch_tokens']}, max_merged_padding "
           f"{batcher_kw['max_merged_padding']}", flush=True)
 
-    load_at_start = os.getloadavg()
     run_ours(loaded, texts[:64], batcher_kw)  # warm-up both paths
     run_st(st, texts[:64])
     ours_s, st_s = [], []
