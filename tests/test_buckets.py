@@ -31,7 +31,7 @@ DOCUMENTED_DEFAULTS = {
     "scheduler": {"max_running": 256, "max_batched_tokens": "auto", "max_waiting": 1024,
                   "queue_timeout_s": 600.0, "policy": "priority"},
     "kv_cache": {"block_size": 16, "cpu_memory_gib": 2.0, "gpu_memory_fraction": 0.9},
-    "embedding": {"boundaries": [16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256, 320, 384, 448, 512], "preferred_batch_size": 32,
+    "embedding": {"boundaries": [*range(8, 257, 8), 320, 384, 448, 512], "preferred_batch_size": 32,
                   "max_batch_tokens": 8192, "max_queue_delay_ms": 5.0,
                   "max_inputs_per_request": 2048, "max_merged_padding": 0.1},
 }
@@ -334,7 +334,7 @@ def test_default_boundaries_are_cut_to_context() -> None:
 
 def test_embedding_max_len(tmp_path: Path) -> None:
     config = load_buckets().check_model(embedding_max_len=128)
-    assert config.embedding.boundaries == (16, 32, 48, 64, 80, 96, 112, 128)
+    assert config.embedding.boundaries == tuple(range(8, 129, 8))
     assert config.prefill_boundaries == load_buckets().prefill_boundaries
     path = write(tmp_path, "[embedding]\nboundaries = [16, 1024]\n")
     with pytest.raises(ConfigError) as info:

@@ -193,7 +193,8 @@ def test_concurrent_single_requests_share_batches(loaded, st_model, tmp_path):
     # A full bucket runs at once; the huge delay means nothing runs before 4 inputs share a
     # bucket, so the 12 single-input requests below must form exactly three batches of 4.
     app, service = make_app(loaded, tmp_path, "[embedding]\npreferred_batch_size = 4\n"
-                                              "max_queue_delay_ms = 600000.0\n")
+                                              "max_queue_delay_ms = 600000.0\n"
+                                              "boundaries = [16, 32, 64, 128, 256]\n")
     short = ["one", "two words", "three words here", "four", "5", "six six", "seven", "8 8 8"]
     longer = ["a considerably longer sentence that needs more than sixteen tokens in total, "
               f"variant number {i} of this text" for i in range(4)]
