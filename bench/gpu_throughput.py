@@ -86,7 +86,8 @@ def word_tokenizer(vocab: int) -> Tokenizer:
 
 def make_engine(shape: str, device: str, dtype: torch.dtype, cuda_graphs: bool,
                 tokenizer: Tokenizer, fused_ops: bool = True,
-                max_batched_tokens: int | None = None, tmp_dir: str = "/tmp") -> LLMEngine:
+                max_batched_tokens: int | None = None, tmp_dir: str = "/tmp",
+                piecewise: bool = True) -> LLMEngine:
     cfg = ModelConfig(**SHAPES[shape], max_position_embeddings=MAX_MODEL_LEN, rope_theta=100000.0,
                       tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
     model = build_dummy_model(cfg, device, dtype, seed=0)
@@ -97,7 +98,7 @@ def make_engine(shape: str, device: str, dtype: torch.dtype, cuda_graphs: bool,
         path = Path(tmp_dir) / f"buckets_{max_batched_tokens}.toml"
         path.write_text(f"[scheduler]\nmax_batched_tokens = {max_batched_tokens}\n")
     buckets = load_buckets(str(path) if path else None, max_model_len=MAX_MODEL_LEN)
-    return LLMEngine(loaded, buckets, device, cuda_graphs=cuda_graphs)
+    return LLMEngine(loaded, buckets, device, cuda_graphs=cuda_graphs, piecewise_graphs=piecewise)
 
 
 def sync(device: str) -> None:
@@ -262,16 +263,18 @@ def run_vllm(path: str, shape: str, out_dir: str) -> list[dict]:
 def run_mode(res: dict, shape: str, mode: str, device: str, dtype: torch.dtype, tok, reqs,
              batches: list[int], args, bw: float | None) -> None:
     """mode: graphs | eager, + "_unfused" (no fused Triton ops) / "_2k" (2048-token steps; the
-    default "auto" budget is 8192 on CUDA)."""
+    default "auto" budget is 8192 on CUDA) / "_nopiece" (decode graphs only: prefill and
+    mixed steps eager)."""
     vocab = SHAPES[shape]["vocab_size"]
     t0 = time.perf_counter()
     engine = make_engine(shape, device, dtype, mode.startswith("graphs"), tok,
                          fused_ops="unfused" not in mode,
                          max_batched_tokens=2048 if mode.endswith("_2k") else None,
-                         tmp_dir=tempfile.gettempdir())
+                         tmp_dir=tempfile.gettempdir(), piecewise="_nopiece" not in mode)
     start_s = time.perf_counter() - t0
     r = run_bucketserve(engine, reqs, device, profile=args.profile and mode == "graphs",
                         repeats=args.repeats, detokenize=args.detokenize)
+    r.update(piecewise_steps=engine.runner.num_piecewise_steps)
     r.update(model=shape, mode=mode, detokenize=args.detokenize, startup_s=start_s, cuda_info=engine.cuda_info,
              kv_blocks=engine.block_manager.num_usable_blocks)
     prof = r.pop("profile_top", None)
@@ -295,7 +298,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shapes", default="smollm2-135m,llama-1b")
-    ap.add_argument("--modes", default="graphs,graphs_2k,eager,graphs_unfused",
+    ap.add_argument("--modes", default="graphs,graphs_nopiece,graphs_2k,eager,graphs_unfused",
                     help="graphs / eager: decode graphs on / off; _unfused: no fused Triton ops")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--requests", type=int, default=256)

@@ -70,11 +70,12 @@ def setup():
     return loaded, prompts, expected
 
 
-def run_engine(loaded, prompts, tmp_path, cuda_graphs: bool, num_blocks: int | None = None):
+def run_engine(loaded, prompts, tmp_path, cuda_graphs: bool, num_blocks: int | None = None,
+               piecewise: bool = True):
     path = tmp_path / "buckets.toml"
     path.write_text("[scheduler]\nmax_batched_tokens = 256\nmax_running = 16\n")
     engine = LLMEngine(loaded, load_buckets(str(path), max_model_len=2048), "cuda",
-                       num_blocks=num_blocks, cuda_graphs=cuda_graphs)
+                       num_blocks=num_blocks, cuda_graphs=cuda_graphs, piecewise_graphs=piecewise)
     free = engine.block_manager.num_free_blocks
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     outs = engine.generate(prompts, params)
@@ -82,10 +83,10 @@ def run_engine(loaded, prompts, tmp_path, cuda_graphs: bool, num_blocks: int | N
     return [o.token_ids for o in outs], engine
 
 
-@pytest.mark.parametrize("cuda_graphs", [True, False])
-def test_gpu_engine_greedy_matches_transformers(setup, tmp_path, cuda_graphs):
+@pytest.mark.parametrize("cuda_graphs, piecewise", [(True, True), (True, False), (False, False)])
+def test_gpu_engine_greedy_matches_transformers(setup, tmp_path, cuda_graphs, piecewise):
     loaded, prompts, expected = setup
-    got, engine = run_engine(loaded, prompts, tmp_path, cuda_graphs)
+    got, engine = run_engine(loaded, prompts, tmp_path, cuda_graphs, piecewise=piecewise)
     assert got == expected
     kinds = {s.kind for s in engine.stats.recent}
     assert {"decode", "mixed"} <= kinds, kinds
@@ -94,6 +95,12 @@ def test_gpu_engine_greedy_matches_transformers(setup, tmp_path, cuda_graphs):
         assert engine.runner.num_graph_steps > 0
     else:
         assert engine.runner.num_graph_steps == 0
+    if piecewise:  # every prefill and mixed step (<= 256 tokens here) ran as piecewise graphs
+        assert engine.cuda_info["piecewise_graphs"] > 0
+        non_decode = sum(s.kind != "decode" for s in engine.stats.recent)
+        assert engine.runner.num_piecewise_steps >= non_decode > 0
+    else:
+        assert engine.runner.num_piecewise_steps == 0
 
 
 def test_gpu_engine_greedy_matches_under_preemption(setup, tmp_path):

@@ -35,9 +35,11 @@ class RequestError(ValueError):
 
 class LLMEngine:
     def __init__(self, loaded, buckets: BucketsConfig, device: str | torch.device = "cpu",
-                 num_blocks: int | None = None, cuda_graphs: bool = True) -> None:
+                 num_blocks: int | None = None, cuda_graphs: bool = True,
+                 piecewise_graphs: bool = True) -> None:
         """`loaded` is a models.LoadedModel; `num_blocks` overrides the KV budget (tests);
-        `cuda_graphs` (CUDA only) captures one decode graph per decode batch size."""
+        `cuda_graphs` (CUDA only) captures one decode graph per decode batch size and, with
+        `piecewise_graphs`, prefill and mixed steps as graphs of everything but attention."""
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -70,7 +72,8 @@ class LLMEngine:
         if self.device.type == "cuda":
             self.cuda_info = self.runner.setup_cuda(
                 buckets.max_running, self.max_batched_tokens, self.max_model_len,
-                list(buckets.decode_batch_sizes), use_cuda_graphs=cuda_graphs)
+                list(buckets.decode_batch_sizes), use_cuda_graphs=cuda_graphs,
+                piecewise_graphs=piecewise_graphs, prefill_boundaries=buckets.prefill_boundaries)
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self.stats.kv_blocks_total = self.block_manager.num_usable_blocks

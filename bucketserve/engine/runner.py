@@ -11,7 +11,9 @@ CUDA (see `setup_cuda`, called by LLMEngine):
   - a pure-decode step of n <= the largest decode bucket sequences replays the CUDA graph
     of the smallest captured batch size >= n (kernels/cuda_graphs.DecodeGraphs); the
     padding rows are dummies that write only the reserved block 0. Prefill, mixed and
-    larger decode steps run eagerly;
+    larger decode steps replay piecewise graphs (kernels/cuda_graphs.PiecewiseGraphs:
+    everything but attention, at the next captured token count, attention eager on the
+    real rows), or run eagerly when graphs are off;
   - the only device-to-host sync of a step is the sampler's copy of the sampled ids.
 """
 
@@ -242,16 +244,24 @@ class ModelRunner:
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
         self.inputs: StepInputs | None = None  # CUDA: set by setup_cuda
         self.graphs = None  # kernels.cuda_graphs.DecodeGraphs when captured
+        self.piecewise = None  # kernels.cuda_graphs.PiecewiseGraphs when captured
         self.step_timing: dict[str, float] = {"prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0}
         self.num_graph_steps = 0  # steps that replayed a captured decode graph
+        self.num_piecewise_steps = 0  # prefill / mixed steps run as piecewise graphs
 
     # ---- CUDA set-up ---------------------------------------------------------------------
 
     def setup_cuda(self, max_num_seqs: int, max_num_tokens: int, max_model_len: int,
-                   decode_batch_sizes: list[int], use_cuda_graphs: bool = True) -> dict:
+                   decode_batch_sizes: list[int], use_cuda_graphs: bool = True,
+                   piecewise_graphs: bool = True,
+                   prefill_boundaries: tuple[int, ...] | None = None) -> dict:
         """Allocates the step buffers, compiles the attention kernels' variants and captures
-        the decode graphs (largest first, one pool). Returns {"graphs": n, "capture_s": s,
-        "graph_pool_mib": m, "kernel_warmup_s": s} for the start-up log."""
+        the decode graphs (largest first, one pool) and, with `piecewise_graphs`, the
+        piecewise graphs of prefill and mixed steps up to max_num_tokens tokens (at the
+        prefill boundaries and multiples of 1024: cuda_graphs.piecewise_sizes). Returns
+        {"graphs": n, "capture_s": s, "graph_pool_mib": m, "kernel_warmup_s": s,
+        "piecewise_graphs": n, "piecewise_capture_s": s, "piecewise_pool_mib": m} for the
+        start-up log."""
         if self.device.type != "cuda":
             raise ValueError("setup_cuda needs a CUDA device")
         sizes = sorted({b for b in decode_batch_sizes if b >= 1})
@@ -277,6 +287,16 @@ class ModelRunner:
             stats = self.graphs.capture()
             info.update(graphs=stats.num_graphs, capture_s=stats.seconds,
                         graph_pool_mib=stats.pool_bytes / 2**20)
+            if piecewise_graphs and getattr(self.model, "fused_ops", False) \
+                    and hasattr(self.model, "stage_first"):
+                from bucketserve.kernels.cuda_graphs import PiecewiseGraphs, piecewise_sizes
+
+                sizes = (piecewise_sizes(max_num_tokens, tuple(prefill_boundaries))
+                         if prefill_boundaries else piecewise_sizes(max_num_tokens))
+                self.piecewise = PiecewiseGraphs(self.model, sizes, self.device)
+                stats = self.piecewise.capture()
+                info.update(piecewise_graphs=stats.num_graphs, piecewise_capture_s=stats.seconds,
+                            piecewise_pool_mib=stats.pool_bytes / 2**20)
         return info
 
     # ---- one step ------------------------------------------------------------------------
@@ -321,8 +341,15 @@ class ModelRunner:
             hidden = g.outputs[pad][:n]
         else:
             dev = self.device
-            ids = inp.h_ids[:ntok].to(dev, non_blocking=True)
-            pos = inp.h_pos[:ntok].to(dev, non_blocking=True)
+            pw = self.piecewise
+            t_pw = pw.padded_size(ntok) if pw is not None else None
+            if t_pw is not None:
+                # rows ntok..t_pw-1 of the host buffers hold stale but valid ids / positions
+                pw.input_ids[:t_pw].copy_(inp.h_ids[:t_pw], non_blocking=True)
+                pw.positions[:t_pw].copy_(inp.h_pos[:t_pw], non_blocking=True)
+            else:
+                ids = inp.h_ids[:ntok].to(dev, non_blocking=True)
+                pos = inp.h_pos[:ntok].to(dev, non_blocking=True)
             meta = AttentionMetadata(
                 slot_mapping=inp.h_slots[:ntok].to(dev, non_blocking=True),
                 query_start_loc=inp.h_qsl[:n + 1].to(dev, non_blocking=True),
@@ -338,7 +365,11 @@ class ModelRunner:
             inp.mark_copied()
             t1 = time.perf_counter()
             with forward_context(meta):
-                hidden = self.model(ids, pos)
+                if t_pw is not None:
+                    hidden = pw.run(t_pw, ntok)
+                    self.num_piecewise_steps += 1
+                else:
+                    hidden = self.model(ids, pos)
         t2 = time.perf_counter()
         sampled: list[int | None] = [None] * n
         logprobs: list[TokenLogprob | None] = [None] * n

@@ -142,3 +142,153 @@ class DecodeGraphs:
         self._dirty = self._dirty if self._dirty > bs else n
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+
+def piecewise_sizes(max_tokens: int,
+                    boundaries: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)) -> list[int]:
+    """Token counts the piecewise graphs are captured at: the prefill bucket boundaries below
+    `max_tokens` (the step budget), multiples of 1024 below it, and the budget itself. With
+    the default boundaries a step pads to at most 2x rows when small and at most 1024 rows
+    above 1024."""
+    sizes = [b for b in boundaries if b < max_tokens]
+    sizes += list(range(1024, max_tokens, 1024))
+    return sorted({*sizes, max_tokens})
+
+
+class PiecewiseGraphs:
+    """Prefill and mixed steps as CUDA graphs of everything but attention.
+
+    An eager prefill or mixed step launches ~10 kernels a layer from Python: measured on an
+    H200, a 135M-shape forward costs 12-15 ms of launches at any token count, several times
+    its GPU work. Attention is the only part of the forward that mixes rows of different
+    sequences and whose launch grid depends on the batch (sequence count, query lengths), so
+    the model's fused forward is split at each layer's attention (LlamaForCausalLM.stage_*),
+    and for each token count T of `sizes` the L + 1 stages are captured as graphs over static
+    buffers of T rows:
+
+        first[T]        ids, positions          -> res, q, k, v   (embedding, layer 0 to attention)
+        between[T][i]   o, res, positions       -> res, q, k, v   (layer i after attention, layer i+1 to it)
+        last[T]         o, res                  -> h              (last layer after attention, final norm)
+
+    A step of n tokens runs at the smallest T >= n: rows n..T-1 are padding. They hold stale
+    but valid ids and positions, every op in a stage is row-wise, and attention runs eagerly
+    on the n real rows only (its K/V write and grid come from the step's metadata), so padding
+    rows never reach the KV pool or a real row. Capture is largest T first, into one pool;
+    data passes between graphs only through the static buffers, which live outside the pool.
+
+    With capture=False (CPU tests) the stages run eagerly over the same buffers.
+    """
+
+    def __init__(self, model: torch.nn.Module, sizes: list[int], device: torch.device | str,
+                 capture: bool = True) -> None:
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"piecewise graph sizes must be positive, got {sizes}")
+        self.model = model
+        self.sizes = sorted(set(sizes))
+        self.device = torch.device(device)
+        self.use_graphs = capture
+        cfg = model.config
+        tmax = self.sizes[-1]
+        dtype = next(model.parameters()).dtype
+        kw = {"device": self.device}
+        self.num_layers = cfg.num_layers
+        # static buffers [tmax, ...]; size T uses the first T rows
+        self.input_ids = torch.zeros(tmax, dtype=torch.long, **kw)
+        self.positions = torch.zeros(tmax, dtype=torch.long, **kw)
+        self.res = torch.zeros(tmax, cfg.hidden_size, dtype=dtype, **kw)
+        self.q = torch.zeros(tmax, cfg.num_heads, cfg.head_dim, dtype=dtype, **kw)
+        self.k = torch.zeros(tmax, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, **kw)
+        self.v = torch.zeros(tmax, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, **kw)
+        self.o = torch.zeros(tmax, cfg.num_heads, cfg.head_dim, dtype=dtype, **kw)
+        self.h = torch.zeros(tmax, cfg.hidden_size, dtype=dtype, **kw)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # T -> [first, between..., last]
+        self.pool = None
+
+    # -- the stages over the static buffers (what is captured) --------------------------------
+
+    def _keep(self, t: int, res: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        self.res[:t].copy_(res)
+        self.q[:t].copy_(q)
+        self.k[:t].copy_(k)
+        self.v[:t].copy_(v)
+
+    def _stage(self, t: int, index: int) -> None:
+        """Stage `index` (0: first, 1..L-1: between layers index-1 and index, L: last)."""
+        m = self.model
+        if index == 0:
+            self._keep(t, *m.stage_first(self.input_ids[:t], self.positions[:t]))
+        elif index < self.num_layers:
+            self._keep(t, *m.stage_between(index - 1, self.o[:t], self.res[:t],
+                                           self.positions[:t]))
+        else:
+            self.h[:t].copy_(m.stage_last(self.o[:t], self.res[:t]))
+
+    @torch.inference_mode()
+    def capture(self) -> CaptureStats:
+        """Captures the L + 1 stages of every size, largest size first, into one pool."""
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        self.pool = torch.cuda.graph_pool_handle()
+        stages = range(self.num_layers + 1)
+        for t in reversed(self.sizes):
+            # warm-up outside the graphs (kernel compilation, cuBLAS workspaces)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for index in stages:
+                    self._stage(t, index)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graphs = []
+            for index in stages:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._stage(t, index)
+                graphs.append(graph)
+            self.graphs[t] = graphs
+        torch.cuda.synchronize(self.device)
+        pool_bytes = 0
+        pool = tuple(self.pool)
+        for seg in torch.cuda.memory_snapshot():
+            if tuple(seg.get("segment_pool_id", ())) == pool:
+                pool_bytes += int(seg.get("total_size", 0))
+        stats = CaptureStats(sum(map(len, self.graphs.values())), time.perf_counter() - t0,
+                             pool_bytes)
+        log.info("captured %d piecewise graphs (%d token counts %d..%d, %d pieces each) in "
+                 "%.2f s, %.1f MiB", stats.num_graphs, len(self.sizes), self.sizes[0],
+                 self.sizes[-1], self.num_layers + 1, stats.seconds, stats.pool_bytes / 2**20)
+        return stats
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The token count a step of `num_tokens` runs at, or None (larger: eager)."""
+        for t in self.sizes:
+            if t >= num_tokens:
+                return t
+        return None
+
+    @torch.inference_mode()
+    def run(self, t: int, num_tokens: int) -> torch.Tensor:
+        """One forward at size t (a captured size >= num_tokens) over the static inputs, which
+        the caller has filled: input_ids[:t] and positions[:t], rows >= num_tokens padding
+        (any valid id and position). Call inside forward_context(meta) with the step's
+        metadata for its num_tokens real tokens. Returns hidden [num_tokens, H], a view of a
+        static buffer: use it before the next run()."""
+        if t not in self.sizes or num_tokens > t:
+            raise ValueError(f"no piecewise size {t} for {num_tokens} tokens "
+                             f"(sizes {self.sizes})")
+        graphs = self.graphs.get(t) if self.use_graphs else None
+        if self.use_graphs and graphs is None:
+            raise ValueError("capture() has not run")
+        n = num_tokens
+        for index in range(self.num_layers + 1):
+            if graphs is not None:
+                graphs[index].replay()
+            else:
+                self._stage(t, index)
+            if index < self.num_layers:
+                # layer `index`'s attention over the real rows only
+                o = self.model.attention(index, self.q[:n], self.k[:n], self.v[:n])
+                self.o[:n].copy_(o.view(n, *self.o.shape[1:]))
+        return self.h[:n]

@@ -244,29 +244,80 @@ class LlamaForCausalLM(nn.Module):
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The same computation with kernels/triton_ops (CUDA): residual add fused into each
         RMSNorm, q and k rotated in one kernel, SiLU-and-mul in one kernel (fewer launches
-        and passes over [T, H]; the CPU path above is unchanged)."""
-        from bucketserve.kernels.triton_ops import apply_rotary, rms_norm, silu_and_mul
+        and passes over [T, H]; the CPU path above is unchanged).
+
+        It is written as stages split at each layer's attention, the only step that mixes
+        rows of different sequences: stage_first, then for each layer attention and
+        stage_between (stage_last after the last layer). Piecewise CUDA graphs
+        (kernels/cuda_graphs.PiecewiseGraphs) capture the stages at padded token counts and
+        run the attention eagerly between them."""
+        res, q, k, v = self.stage_first(input_ids, positions)
+        last = len(self.model.layers) - 1
+        for i in range(last + 1):
+            o = self.attention(i, q, k, v)
+            if i < last:
+                res, q, k, v = self.stage_between(i, o, res, positions)
+        return self.stage_last(o, res)
+
+    # ---- the fused forward's stages (rows independent: padding rows stay harmless) ---------
+
+    def stage_first(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """ids, positions [T] -> (residual [T, H], q [T, Hq, D], k, v [T, Hkv, D]) of layer 0."""
+        from bucketserve.kernels.triton_ops import rms_norm
 
         m = self.model
-        t = input_ids.shape[0]
         res = m.embed_tokens(input_ids)  # residual stream [T, H]
-        x, _ = rms_norm(res, m.layers[0].input_layernorm.weight, m.layers[0].input_layernorm.eps)
-        delta = None  # the last sub-block's output, added into res by the next norm
-        for i, layer in enumerate(m.layers):
-            a, norm1, norm2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
-            if i:
-                x, res = rms_norm(delta, norm1.weight, norm1.eps, residual=res)
-            qkv = a.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
-            q = qkv[:, : a.q_size].view(t, a.num_heads, a.head_dim)
-            k = qkv[:, a.q_size: a.q_size + a.kv_size].view(t, a.num_kv_heads, a.head_dim)
-            v = qkv[:, a.q_size + a.kv_size:].view(t, a.num_kv_heads, a.head_dim)
-            q, k = apply_rotary(q, k, positions, self.cos_sin)
-            o = a.attn_backend.forward(q, k, v, a.k_cache, a.v_cache, a.scale)
-            x, res = rms_norm(a.o_proj(o.reshape(t, a.q_size)), norm2.weight, norm2.eps,
-                              residual=res)
-            delta = layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(x)))
+        norm1 = m.layers[0].input_layernorm
+        x, _ = rms_norm(res, norm1.weight, norm1.eps)
+        q, k, v = self._qkv(0, x, positions)
+        return res, q, k, v
+
+    def attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Layer i's paged attention (writes k, v into the pool) -> o [T, Hq, D]."""
+        a = self.model.layers[i].self_attn
+        return a.attn_backend.forward(q, k, v, a.k_cache, a.v_cache, a.scale)
+
+    def stage_between(self, i: int, o: torch.Tensor, res: torch.Tensor, positions: torch.Tensor):
+        """Layer i after its attention, then layer i+1 up to its attention -> (res, q, k, v)."""
+        from bucketserve.kernels.triton_ops import rms_norm
+
+        delta, res = self._post_attention(i, o, res)
+        norm1 = self.model.layers[i + 1].input_layernorm
+        x, res = rms_norm(delta, norm1.weight, norm1.eps, residual=res)
+        q, k, v = self._qkv(i + 1, x, positions)
+        return res, q, k, v
+
+    def stage_last(self, o: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        """The last layer after its attention, then the final norm -> hidden [T, H]."""
+        from bucketserve.kernels.triton_ops import rms_norm
+
+        m = self.model
+        delta, res = self._post_attention(len(m.layers) - 1, o, res)
         h, _ = rms_norm(delta, m.norm.weight, m.norm.eps, residual=res)
         return h
+
+    def _qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor):
+        from bucketserve.kernels.triton_ops import apply_rotary
+
+        a = self.model.layers[i].self_attn
+        t = x.shape[0]
+        qkv = a.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        q = qkv[:, : a.q_size].view(t, a.num_heads, a.head_dim)
+        k = qkv[:, a.q_size: a.q_size + a.kv_size].view(t, a.num_kv_heads, a.head_dim)
+        v = qkv[:, a.q_size + a.kv_size:].view(t, a.num_kv_heads, a.head_dim)
+        q, k = apply_rotary(q, k, positions, self.cos_sin)
+        return q, k, v
+
+    def _post_attention(self, i: int, o: torch.Tensor, res: torch.Tensor):
+        """o_proj, residual + RMSNorm, MLP -> (the MLP's output, the residual stream)."""
+        from bucketserve.kernels.triton_ops import rms_norm, silu_and_mul
+
+        layer = self.model.layers[i]
+        a = layer.self_attn
+        norm2 = layer.post_attention_layernorm
+        x, res = rms_norm(a.o_proj(o.reshape(o.shape[0], a.q_size)), norm2.weight, norm2.eps,
+                          residual=res)
+        return layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(x))), res
 
     def pack_cpu_weights(self) -> bool:
         """Switches every projection (and the LM head) of a float32 CPU model to MKL's packed
