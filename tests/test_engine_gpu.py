@@ -95,6 +95,13 @@ def test_gpu_engine_greedy_matches_transformers(setup, tmp_path, cuda_graphs, pi
         assert engine.runner.num_graph_steps > 0
     else:
         assert engine.runner.num_graph_steps == 0
+    # decode graphs pad batches up to a captured size and piecewise graphs steps up to a token
+    # count: the padding is counted as computed, not useful; without graphs nothing is padded
+    stats = engine.stats
+    if cuda_graphs:
+        assert stats.computed_tokens_total > stats.useful_tokens_total
+    else:
+        assert stats.computed_tokens_total == stats.useful_tokens_total
     if piecewise:  # every prefill and mixed step (<= 256 tokens here) ran as piecewise graphs
         assert engine.cuda_info["piecewise_graphs"] > 0
         non_decode = sum(s.kind != "decode" for s in engine.stats.recent)

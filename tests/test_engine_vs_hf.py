@@ -140,3 +140,29 @@ def test_detokenize_off_gives_same_ids_and_no_text(tiny, tmp_path):
     assert [o.text for o in runs[True]] == [ours.tokenizer.decode(o.token_ids) for o in runs[True]]
     with pytest.raises(SamplingError, match="stop strings need the output text"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_padding_rows_count_as_computed_not_useful(tiny, tmp_path):
+    """Rows a compiled shape adds (RunnerOutput.num_padding: decode-graph dummies, piecewise
+    padding) show up as padding waste; the eager CPU path adds none."""
+    ours, prompts, expected = tiny
+    buckets = load_buckets(buckets_file(tmp_path), max_model_len=ours.max_model_len)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+    engine = LLMEngine(ours, buckets)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert engine.stats.computed_tokens_total == engine.stats.useful_tokens_total > 0
+    assert engine.stats.padding_waste == 0.0
+
+    padded = LLMEngine(ours, buckets)
+    run = padded.runner.run
+
+    def run_padded(batch):
+        out = run(batch)
+        out.num_padding = 3
+        return out
+
+    padded.runner.run = run_padded
+    assert [o.token_ids for o in padded.generate(prompts, params)] == expected
+    stats = padded.stats
+    assert stats.computed_tokens_total - stats.useful_tokens_total == 3 * stats.num_steps
+    assert stats.padding_waste > 0

@@ -176,7 +176,7 @@ class LLMEngine:
         self.stats.record(StepStats(
             kind=batch.kind, bucket=batch.bucket, num_seqs=len(batch.seqs),
             num_prefill_seqs=len(batch.seqs) - batch.num_decodes, num_decode_seqs=batch.num_decodes,
-            computed_tokens=batch.num_tokens, useful_tokens=batch.useful_tokens,
+            computed_tokens=batch.num_tokens + out.num_padding, useful_tokens=batch.useful_tokens,
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_total=self.block_manager.num_usable_blocks,
             num_preemptions=batch.num_preemptions, num_waiting=self.scheduler.num_waiting,

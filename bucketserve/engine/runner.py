@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 class RunnerOutput:
     sampled: list[int | None]  # per batch sequence; None while still in its prompt
     logprobs: list[TokenLogprob | None]
+    # rows the forward computed beyond the step's tokens: a decode graph's dummy rows, a
+    # piecewise graph's padding to its token count (0 on the eager paths)
+    num_padding: int = 0
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -324,6 +327,7 @@ class ModelRunner:
         g = self.graphs
         pad = g.padded_size(n) if g is not None and batch.num_decodes == n else None
         inp = self.inputs
+        t_pw = None  # the piecewise graphs' token count, when they run this step
         inp.wait_copies()
         ntok, rows, seq_lens, sample_rows, sample_seqs, width = inp.fill(batch, pad or 0)
         if pad is not None:
@@ -390,7 +394,13 @@ class ModelRunner:
         st["prepare_s"] += t1 - t0
         st["forward_s"] += t2 - t1
         st["sample_s"] += t3 - t2
-        return RunnerOutput(sampled, logprobs)
+        if pad is not None:
+            padding = pad - n
+        elif t_pw is not None:
+            padding = t_pw - ntok
+        else:
+            padding = 0
+        return RunnerOutput(sampled, logprobs, padding)
 
     def _prepare(self, batch: ScheduledBatch):
         """Flattened inputs for one step; the per-token arrays are built with numpy."""

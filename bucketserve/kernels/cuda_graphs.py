@@ -10,8 +10,9 @@ pool. A step of n decodes is padded up to the smallest captured size >= n:
     rows n..bs-1  dummies: token 0 at position 0, seq_len 1, block table row of zeros and
                   slot 0, so they write into and read from the reserved dummy block 0 only
 
-Steps with prefills, or more decodes than the largest size, run eagerly (the caller's
-choice: `padded_size` returns None). Works with any AttentionBackend whose forward does no
+Steps with prefills, or more decodes than the largest size, do not use these graphs
+(`padded_size` returns None): the runner gives them to PiecewiseGraphs below, or runs them
+eagerly. The dummy rows are padding: the engine counts them as computed, not useful, tokens. Works with any AttentionBackend whose forward does no
 host sync (TritonAttentionBackend).
 """
 
