@@ -29,6 +29,24 @@ from bucketserve.kernels.attention import AttentionMetadata, forward_context
 log = logging.getLogger(__name__)
 
 
+def pool_bytes(pool) -> int:
+    """Memory a graph pool holds (segments of that pool in the allocator's snapshot; a
+    reserved-memory delta is blurred by other frees and allocations). 0 for None."""
+    if pool is None:
+        return 0
+    pool = tuple(pool)
+    return sum(int(seg.get("total_size", 0)) for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", ())) == pool)
+
+
+def next_size(sizes: list[int], n: int) -> int | None:
+    """The smallest of the sorted `sizes` >= n, or None."""
+    for size in sizes:
+        if size >= n:
+            return size
+    return None
+
+
 @dataclass
 class CaptureStats:
     num_graphs: int
@@ -97,20 +115,11 @@ class DecodeGraphs:
         return stats
 
     def pool_bytes(self) -> int:
-        """Memory the graphs' private pool holds (segments of that pool in the allocator's
-        snapshot; a reserved-memory delta is blurred by other frees and allocations)."""
-        if self.pool is None:
-            return 0
-        pool = tuple(self.pool)
-        return sum(int(seg.get("total_size", 0)) for seg in torch.cuda.memory_snapshot()
-                   if tuple(seg.get("segment_pool_id", ())) == pool)
+        return pool_bytes(self.pool)
 
     def padded_size(self, num_decodes: int) -> int | None:
         """The captured size a step of `num_decodes` decodes runs at, or None (eager)."""
-        for bs in self.sizes:
-            if bs >= num_decodes:
-                return bs
-        return None
+        return next_size(self.sizes, num_decodes)
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -248,13 +257,8 @@ class PiecewiseGraphs:
                 graphs.append(graph)
             self.graphs[t] = graphs
         torch.cuda.synchronize(self.device)
-        pool_bytes = 0
-        pool = tuple(self.pool)
-        for seg in torch.cuda.memory_snapshot():
-            if tuple(seg.get("segment_pool_id", ())) == pool:
-                pool_bytes += int(seg.get("total_size", 0))
         stats = CaptureStats(sum(map(len, self.graphs.values())), time.perf_counter() - t0,
-                             pool_bytes)
+                             pool_bytes(self.pool))
         log.info("captured %d piecewise graphs (%d token counts %d..%d, %d pieces each) in "
                  "%.2f s, %.1f MiB", stats.num_graphs, len(self.sizes), self.sizes[0],
                  self.sizes[-1], self.num_layers + 1, stats.seconds, stats.pool_bytes / 2**20)
@@ -264,10 +268,7 @@ class PiecewiseGraphs:
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The token count a step of `num_tokens` runs at, or None (larger: eager)."""
-        for t in self.sizes:
-            if t >= num_tokens:
-                return t
-        return None
+        return next_size(self.sizes, num_tokens)
 
     @torch.inference_mode()
     def run(self, t: int, num_tokens: int) -> torch.Tensor:
