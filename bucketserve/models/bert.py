@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bucketserve.models.llama import Linear, mkl_packing_available, pack_weight
+from bucketserve.models.llama import Linear, pack_linear_weights
 
 # Largest B * L for which the projections use MKL's packed sgemm. Measured on the 2-core dev
 # machine (whole forward, fastest of 12-16 interleaved runs, packed vs F.linear): 1x16 1.37x,
@@ -226,13 +226,7 @@ class BertEmbeddingModel(nn.Module):
         at most PACKED_MAX_ROWS tokens (the original weights stay, for larger forwards and for
         autograd). Returns False, changing nothing, where packing does not apply. Call again
         after changing the weights."""
-        w = self.encoder.embeddings.word_embeddings.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not mkl_packing_available():
-            return False
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.packed = pack_weight(module.weight)
-        return True
+        return pack_linear_weights(self, self.encoder.embeddings.word_embeddings.weight)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

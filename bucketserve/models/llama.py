@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bucketserve.kernels.attention import AttentionBackend
+from bucketserve.kernels.triton_ops import apply_rotary, rms_norm, silu_and_mul  # CPU-safe
 from bucketserve.models.config import ModelConfig
 
 
@@ -69,12 +70,24 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
 
 
+def pack_linear_weights(module: nn.Module, weight: torch.Tensor) -> bool:
+    """Gives every Linear inside `module` MKL's packed copy of its weight, when `weight` (one
+    of the model's parameters) is float32 on CPU and MKL packing is available; the original
+    weights stay (autograd, unpacked paths). Returns False, changing nothing, otherwise."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not mkl_packing_available():
+        return False
+    for sub in module.modules():
+        if isinstance(sub, Linear):
+            sub.packed = pack_weight(sub.weight)
+    return True
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, **factory) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        self.packed: torch.Tensor | None = None  # set by LlamaForCausalLM.pack_cpu_weights
+        self.packed: torch.Tensor | None = None  # set by pack_linear_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not torch.is_grad_enabled():
@@ -263,8 +276,6 @@ class LlamaForCausalLM(nn.Module):
 
     def stage_first(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """ids, positions [T] -> (residual [T, H], q [T, Hq, D], k, v [T, Hkv, D]) of layer 0."""
-        from bucketserve.kernels.triton_ops import rms_norm
-
         m = self.model
         res = m.embed_tokens(input_ids)  # residual stream [T, H]
         norm1 = m.layers[0].input_layernorm
@@ -279,8 +290,6 @@ class LlamaForCausalLM(nn.Module):
 
     def stage_between(self, i: int, o: torch.Tensor, res: torch.Tensor, positions: torch.Tensor):
         """Layer i after its attention, then layer i+1 up to its attention -> (res, q, k, v)."""
-        from bucketserve.kernels.triton_ops import rms_norm
-
         delta, res = self._post_attention(i, o, res)
         norm1 = self.model.layers[i + 1].input_layernorm
         x, res = rms_norm(delta, norm1.weight, norm1.eps, residual=res)
@@ -289,16 +298,12 @@ class LlamaForCausalLM(nn.Module):
 
     def stage_last(self, o: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
         """The last layer after its attention, then the final norm -> hidden [T, H]."""
-        from bucketserve.kernels.triton_ops import rms_norm
-
         m = self.model
         delta, res = self._post_attention(len(m.layers) - 1, o, res)
         h, _ = rms_norm(delta, m.norm.weight, m.norm.eps, residual=res)
         return h
 
     def _qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor):
-        from bucketserve.kernels.triton_ops import apply_rotary
-
         a = self.model.layers[i].self_attn
         t = x.shape[0]
         qkv = a.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
@@ -310,8 +315,6 @@ class LlamaForCausalLM(nn.Module):
 
     def _post_attention(self, i: int, o: torch.Tensor, res: torch.Tensor):
         """o_proj, residual + RMSNorm, MLP -> (the MLP's output, the residual stream)."""
-        from bucketserve.kernels.triton_ops import rms_norm, silu_and_mul
-
         layer = self.model.layers[i]
         a = layer.self_attn
         norm2 = layer.post_attention_layernorm
@@ -324,11 +327,8 @@ class LlamaForCausalLM(nn.Module):
         sgemm; the original weights stay for the embedding lookup and for autograd. Returns
         False (and changes nothing) where packing does not apply."""
         w = self.model.embed_tokens.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not mkl_packing_available():
+        if not pack_linear_weights(self, w):
             return False
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.packed = pack_weight(module.weight)
         self._lm_head_packed = pack_weight(w if self.lm_head is None else self.lm_head.weight)
         return True
 
