@@ -53,7 +53,7 @@ class LLMEngine:
         per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                        buckets.block_size, dtype)
         if num_blocks is None:
-            num_blocks = self._budget_blocks(per_block)
+            num_blocks = self._budget_blocks(per_block, cuda_graphs and piecewise_graphs)
         self.block_manager = BlockManager(num_blocks, buckets.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -89,7 +89,7 @@ class LLMEngine:
         buckets = load_buckets(buckets_path, max_model_len=loaded.max_model_len)
         return cls(loaded, buckets, device)
 
-    def _budget_blocks(self, per_block: int) -> int:
+    def _budget_blocks(self, per_block: int, piecewise_graphs: bool) -> int:
         # No point in more blocks than the running sequences can ever fill.
         useful = self.buckets.max_running * -(-self.max_model_len // self.buckets.block_size) + 1
         if self.device.type == "cuda":
@@ -98,7 +98,8 @@ class LLMEngine:
             blocks, _ = gpu_kv_budget_blocks(
                 self.loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b.block_size,
                 next(self.loaded.model.parameters()).dtype, self.max_batched_tokens, b.max_running,
-                self.max_model_len, b.gpu_memory_fraction, self.device)
+                self.max_model_len, b.gpu_memory_fraction, self.device,
+                reserve_graph_activations=piecewise_graphs)
             return max(2, min(blocks, useful))
         budget = self.buckets.cpu_memory_gib * 2**30
         return max(2, min(int(budget // per_block), useful))

@@ -53,7 +53,8 @@ def gpu_kv_budget_blocks(model: torch.nn.Module, num_layers: int, num_kv_heads: 
                          head_dim: int, block_size: int, dtype: torch.dtype,
                          max_num_tokens: int, max_num_seqs: int, max_model_len: int,
                          memory_fraction: float, device: torch.device,
-                         reserve_bytes: int = 256 * 2**20) -> tuple[int, dict]:
+                         reserve_bytes: int = 256 * 2**20,
+                         reserve_graph_activations: bool = False) -> tuple[int, dict]:
     """KV blocks that fit in `memory_fraction` of the GPU after a warm-up forward.
 
     The warm-up runs the largest step the scheduler can issue (max_num_tokens prompt
@@ -61,7 +62,10 @@ def gpu_kv_budget_blocks(model: torch.nn.Module, num_layers: int, num_kv_heads: 
     a small temporary pool, and reads the allocator's peak: weights + activations +
     logits. Memory outside torch's allocator (CUDA context, other processes) is counted
     as used. `reserve_bytes` is kept back for the decode graphs' pool and the sampler.
-    Returns (blocks, details for the log)."""
+    `reserve_graph_activations` (piecewise CUDA graphs on) keeps back the warm-up's
+    activations once more (its peak less the model's parameters and buffers): the graphs'
+    private pool holds a stage's activations at the largest step, apart from the memory
+    that eager steps reuse. Returns (blocks, details for the log)."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     # the largest step: max_num_tokens prompt tokens, in sequences of <= max_model_len
@@ -97,16 +101,20 @@ def gpu_kv_budget_blocks(model: torch.nn.Module, num_layers: int, num_kv_heads: 
     # cudaMalloc there would stall the step); `reserved` below counts them
     free, total = torch.cuda.mem_get_info(device)
     outside = total - free - torch.cuda.memory_reserved(device)  # context, other processes
-    budget = memory_fraction * total - outside - peak - reserve_bytes
+    graph_act = 0
+    if reserve_graph_activations:
+        tensors = [*model.parameters(), *model.buffers()]
+        graph_act = max(0, peak - sum(x.numel() * x.element_size() for x in tensors))
+    budget = memory_fraction * total - outside - peak - reserve_bytes - graph_act
     per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
     blocks = max(2, int(budget // per_block))
     info = {"total_gib": total / 2**30, "peak_torch_gib": peak / 2**30,
             "outside_torch_gib": outside / 2**30, "kv_budget_gib": budget / 2**30,
-            "warmup_tokens": t}
+            "graph_activations_gib": graph_act / 2**30, "warmup_tokens": t}
     log.info("GPU memory: total %.1f GiB, warm-up peak %.2f GiB, outside torch %.2f GiB, "
-             "KV budget %.2f GiB (fraction %.2f) -> %d blocks", info["total_gib"],
-             info["peak_torch_gib"], info["outside_torch_gib"], info["kv_budget_gib"],
-             memory_fraction, blocks)
+             "kept for piecewise graphs %.2f GiB, KV budget %.2f GiB (fraction %.2f) -> %d "
+             "blocks", info["total_gib"], info["peak_torch_gib"], info["outside_torch_gib"],
+             info["graph_activations_gib"], info["kv_budget_gib"], memory_fraction, blocks)
     return blocks, info
 
 
