@@ -54,6 +54,13 @@ class LiveServer:
                 values[m.group(1)] = float(m.group(2))
         return values
 
+    def openai_client(self, api_key: str, timeout: float = 300):
+        """The official openai client for this server (no retries: tests see every error)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0,
+                             timeout=timeout)
+
     def metric(self, name: str) -> float:
         return self.metrics().get(name, 0.0)
 

@@ -33,8 +33,7 @@ def server(tmp_path_factory) -> LiveServer:
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0,
-                         timeout=300)
+    return server.openai_client(API_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,7 @@ def server(tmp_path_factory) -> LiveServer:
 
 @pytest.fixture(scope="session")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0,
-                         timeout=300)
+    return server.openai_client(API_KEY)
 
 
 @pytest.fixture(scope="session")
@@ -44,31 +43,28 @@ def model(client) -> str:
     return client.models.list().data[0].id
 
 
-def stream_text(chunks) -> tuple[dict[int, str], dict[int, str | None], list]:
-    """Completion stream -> (text per choice, finish_reason per choice, all chunks)."""
+def _collect(chunks, piece) -> tuple[dict[int, str], dict[int, str | None], list]:
+    """Stream -> (text per choice, finish_reason per choice, all chunks); piece(choice) is
+    the text a chunk's choice carries."""
     texts: dict[int, str] = {}
     reasons: dict[int, str | None] = {}
     seen = []
     for chunk in chunks:
         seen.append(chunk)
         for c in chunk.choices:
-            texts[c.index] = texts.get(c.index, "") + c.text
+            texts[c.index] = texts.get(c.index, "") + piece(c)
             if c.finish_reason:
                 reasons[c.index] = c.finish_reason
     return texts, reasons, seen
+
+
+def stream_text(chunks) -> tuple[dict[int, str], dict[int, str | None], list]:
+    """Completion stream -> (text per choice, finish_reason per choice, all chunks)."""
+    return _collect(chunks, lambda c: c.text)
 
 
 def chat_stream_text(chunks) -> tuple[dict[int, str], dict[int, str | None], list]:
-    texts: dict[int, str] = {}
-    reasons: dict[int, str | None] = {}
-    seen = []
-    for chunk in chunks:
-        seen.append(chunk)
-        for c in chunk.choices:
-            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
-            if c.finish_reason:
-                reasons[c.index] = c.finish_reason
-    return texts, reasons, seen
+    return _collect(chunks, lambda c: c.delta.content or "")
 
 
 # ------------------------------------------------------------------------- openai client
