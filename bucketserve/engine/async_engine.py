@@ -1,75 +1,120 @@
-"""asyncio front of the engine: the engine loop runs in a background thread so that model
-work never blocks the event loop; each request gets an async stream of its outputs."""
+"""The server's front end of the engine: admission, text and streams, in the event loop.
+
+Each request gets an async stream of RequestOutputs. The engine core (engine/core.py) runs
+either in its own process (`AsyncEngine.spawn`, the default of `bucketserve serve`) or in
+a thread (`AsyncEngine.in_process`); this class is the same for both. Here:
+- admission (engine/admission.py): a request is validated and checked against max_waiting
+  before it is sent, with the queue depth the core reported after its last step plus the
+  requests sent since (the core counts the ones it took in);
+- output processing (TextProcessor): the core sends token ids once per step; text,
+  stop strings and the client's view of a finish are made here. A stop string ends the
+  client's stream at once and tells the core to finish the sequence (its blocks are freed at
+  the core's next step boundary);
+- EngineStats for /metrics, mirrored from every step's StepStats and queue depths;
+- failure: when the core dies, every open stream gets EngineDeadError, `is_alive()` turns
+  False (/health answers 503) and the `on_dead` callbacks run (the CLI exits non-zero).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
+from bucketserve.engine.admission import admit
+from bucketserve.engine.core_client import CoreClient, ProcessCore, ThreadCore
 from bucketserve.engine.llm_engine import LLMEngine
+from bucketserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    FinishRequests,
+    RequestLimits,
+    StepOutputs,
+)
+from bucketserve.engine.output_processor import TextProcessor
 from bucketserve.engine.outputs import QueueFullError, RequestOutput
-from bucketserve.engine.sequence import SamplingParams, Sequence
+from bucketserve.engine.sequence import SamplingParams
+from bucketserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
+    """The engine core has stopped; no request can be served."""
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread: threading.Thread | None = None
-        self._stop = False
+    def __init__(self, core: CoreClient) -> None:
+        self.core = core
+        self.limits: RequestLimits = core.limits
+        self.stats = EngineStats()
+        self.stats.kv_blocks_total = core.kv_blocks_total
+        self.on_dead: list[Callable[[], None]] = []
+        self._text = TextProcessor(core.tokenizer)
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stopped: set[str] = set()  # finished here by a stop string, not yet by the core
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started = False
         self._accepting = True
-        self._error: BaseException | None = None
-        self._num_pending = 0  # added by callers, not yet seen by the engine thread
-        self._pending_lock = threading.Lock()
+        self._dead_reason: str | None = None
+        self._num_sent = 0  # AddRequests sent to the core
+        self._num_added = 0  # ... of which the core has taken in (per its latest message)
+        self._num_waiting = 0  # the core's waiting queue after its latest step
+
+    @classmethod
+    def in_process(cls, engine: LLMEngine) -> AsyncEngine:
+        """The core loop in a thread of this process, over `engine`."""
+        return cls(ThreadCore(engine))
+
+    @classmethod
+    def spawn(cls, model: str, device: str = "cpu", dtype: str = "auto",
+              buckets_path: str | None = None, log_level: str = "info") -> AsyncEngine:
+        """Starts the core process, which loads and warms up the model; returns once it is
+        ready (raises CoreStartError if it fails)."""
+        return cls(ProcessCore(model, device, dtype, buckets_path, log_level))
 
     # ---- what the server reads ---------------------------------------------------------
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.core.tokenizer
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self.core.model_name
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def stats(self):
-        return self.engine.stats
+        return self.limits.max_model_len
 
     @property
     def pool_tokens(self) -> int:
         """Tokens one sequence can hold when it has the whole KV pool to itself."""
-        bm = self.engine.block_manager
-        return bm.num_usable_blocks * bm.block_size
+        return self.limits.pool_tokens
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine core died; None while it lives (or after a normal stop)."""
+        return self._dead_reason
 
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        return self._started and self._dead_reason is None and self.core.is_alive()
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="bucketserve-engine", daemon=True)
-        self._thread.start()
+        """Call from the event loop that will serve the requests."""
+        self._loop = asyncio.get_running_loop()
+        loop = self._loop
+        self.core.start(lambda msg: loop.call_soon_threadsafe(self._on_step, msg),
+                        lambda reason: loop.call_soon_threadsafe(self._on_dead, reason))
+        self._started = True
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stops accepting, lets running requests finish for up to `timeout_s`, aborts the
-        rest, then stops the loop."""
+        rest, then stops the core."""
         self._accepting = False
         deadline = time.monotonic() + timeout_s
         while self._streams and time.monotonic() < deadline and self.is_alive():
@@ -78,35 +123,31 @@ class AsyncEngine:
             self.abort(rid)
         while self._streams and time.monotonic() < deadline + 2.0 and self.is_alive():
             await asyncio.sleep(0.02)
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 5.0)
+        if self._started:
+            await asyncio.to_thread(self.core.stop, 5.0)
 
     # ---- requests ----------------------------------------------------------------------
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Streams the outputs of one request. Closing the iterator early (a client gone)
-        aborts the request; its blocks are back in the pool after the next step."""
+        aborts the request; its blocks are back in the pool after the core's next step."""
         if not self.is_alive():
-            raise EngineDeadError("the engine loop is not running")
+            raise EngineDeadError(self._dead_reason or "the engine core is not running")
         if not self._accepting:
             raise QueueFullError("the server is shutting down")
-        self.engine.validate(prompt_token_ids, params)
-        waiting = self.engine.scheduler.num_waiting + self._num_pending
-        if waiting >= self.engine.buckets.max_waiting:
-            raise QueueFullError(f"{waiting} requests are already waiting")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        admit(self.limits, prompt_token_ids, params,
+              self._num_waiting + self._num_sent - self._num_added)
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        seq = Sequence(prompt_token_ids, params, request_id=request_id, priority=priority,
-                       queue_timeout_s=self.engine.buckets.queue_timeout_s)
-        with self._pending_lock:
-            self._num_pending += 1
-        self._inbox.put(("add", seq))
-        self._wake.set()
+        self._streams[request_id] = stream
+        arrival = time.monotonic()
+        self._text.add(request_id, prompt_token_ids, params, arrival)
+        core_params = replace(params, stop=[], detokenize=False)
+        self._num_sent += 1
+        self.core.send(AddRequest(request_id, list(prompt_token_ids), core_params, priority,
+                                  arrival))
         finished = False
         try:
             while True:
@@ -121,47 +162,46 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
             self._streams.pop(request_id, None)
+            self._text.drop(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
+        if self._dead_reason is None and self._started:
+            self.core.send(AbortRequests([request_id]))
 
-    # ---- the engine thread -------------------------------------------------------------
+    # ---- what the core sends (on the event loop) ---------------------------------------
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+    def _on_step(self, msg: StepOutputs) -> None:
+        self._num_waiting, self._num_added = msg.num_waiting, msg.num_added
+        stats = self.stats
+        if msg.stats is not None:
+            stats.record(msg.stats)
+        else:
+            stats.set_queue(msg.num_waiting, msg.num_running, msg.kv_blocks_used)
+        to_finish: list[str] = []
+        streams, text, stopped = self._streams, self._text, self._stopped
+        for o in msg.outputs:
+            rid = o.request_id
+            stream = streams.get(rid)
+            out, hit_stop = text.process(o) if stream is not None else (None, False)
+            if o.finish_reason is not None:
+                # the client's view of the finish: a stop string found here wins
+                stats.record_finished("stop" if hit_stop or rid in stopped else o.finish_reason)
+                stopped.discard(rid)
+            elif hit_stop:
+                stopped.add(rid)
+                to_finish.append(rid)
+            if out is not None:
+                stream.put_nowait(out)
+        if to_finish:
+            self.core.send(FinishRequests(to_finish))
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                seq: Sequence = payload  # type: ignore[assignment]
-                with self._pending_lock:
-                    self._num_pending -= 1
-                if seq.request_id not in self._streams:
-                    continue  # abandoned before the engine saw it
-                self.engine.add_sequence(seq)
-            else:
-                self.engine.abort(payload)  # type: ignore[arg-type]
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop:
-                self._wake.clear()  # before draining: a later put sets it again
-                self._drain_inbox()
-                if not self.engine.has_unfinished():
-                    self._wake.wait(0.1)
-                    continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
-        except BaseException as exc:  # noqa: BLE001 - reported to every waiting client
-            log.exception("engine loop died")
-            self._error = exc
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"engine loop died: {exc}"))
+    def _on_dead(self, reason: str) -> None:
+        if self._dead_reason is not None:
+            return
+        if self._accepting or self._streams:
+            log.error("engine core died: %s", reason)
+        self._dead_reason = reason
+        for stream in self._streams.values():
+            stream.put_nowait(EngineDeadError(f"the engine core died: {reason}"))
+        for callback in self.on_dead:
+            callback()

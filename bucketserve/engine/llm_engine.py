@@ -13,9 +13,12 @@ import time
 import torch
 
 from bucketserve.buckets import BucketsConfig, BucketSpec, load_buckets
+from bucketserve.engine.admission import RequestError, admit
+from bucketserve.engine.admission import validate as validate_request
 from bucketserve.engine.block_manager import BlockManager
+from bucketserve.engine.messages import RequestLimits
 from bucketserve.engine.output_processor import OutputProcessor
-from bucketserve.engine.outputs import QueueFullError, RequestOutput
+from bucketserve.engine.outputs import RequestOutput
 from bucketserve.engine.runner import ModelRunner, gpu_kv_budget_blocks, kv_bytes_per_block
 from bucketserve.engine.sampler import Sampler
 from bucketserve.engine.scheduler import Scheduler
@@ -23,14 +26,6 @@ from bucketserve.engine.sequence import FinishReason, SamplingParams, Sequence
 from bucketserve.engine.stats import EngineStats, StepStats
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take; `param` names the offending field."""
-
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class LLMEngine:
@@ -106,44 +101,32 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
 
+    @property
+    def limits(self) -> RequestLimits:
+        """What admission checks a request against (engine/admission.py)."""
+        return RequestLimits(
+            max_model_len=self.max_model_len, vocab_size=self.tokenizer.vocab_size,
+            num_kv_blocks=self.block_manager.num_usable_blocks,
+            block_size=self.block_manager.block_size, max_waiting=self.buckets.max_waiting,
+            queue_timeout_s=self.buckets.queue_timeout_s)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises RequestError for a request that can never run."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestError("prompt", "the prompt is empty: send at least one token")
-        vocab = self.tokenizer.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if n + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                "max_tokens",
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{n} tokens and max_tokens is {params.max_tokens} ({n + params.max_tokens} in all). "
-                "Shorten the prompt or lower max_tokens.")
-        need = self.block_manager.blocks_for(n + params.max_tokens)
-        if need > self.block_manager.num_usable_blocks:
-            raise RequestError(
-                "max_tokens",
-                f"the request needs {need} KV blocks but the pool holds "
-                f"{self.block_manager.num_usable_blocks}; lower max_tokens or raise the KV budget "
-                "(kv_cache.cpu_memory_gib / gpu_memory_fraction)")
+        validate_request(self.limits, prompt_token_ids, params)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> Sequence:
-        self.validate(prompt_token_ids, params)
-        if self.scheduler.num_waiting >= self.buckets.max_waiting:
-            raise QueueFullError(f"{self.scheduler.num_waiting} requests are already waiting")
+        if request_id is not None and request_id in self._seqs:
+            raise RequestError("request_id", f"request id {request_id!r} is already in use")
+        admit(self.limits, prompt_token_ids, params, self.scheduler.num_waiting)
         seq = Sequence(prompt_token_ids, params, request_id=request_id, priority=priority,
                        arrival_time=arrival_time, queue_timeout_s=self.buckets.queue_timeout_s)
-        if seq.request_id in self._seqs:
-            raise RequestError("request_id", f"request id {seq.request_id!r} is already in use")
         self.add_sequence(seq)
         return seq
 
     def add_sequence(self, seq: Sequence) -> None:
-        """Queues a sequence already checked by `validate` (used by the async front)."""
+        """Queues a sequence already admitted (engine/admission.py) by the caller."""
         self._seqs[seq.request_id] = seq
         self.outputs.add(seq)
         self.scheduler.add(seq)
@@ -152,6 +135,16 @@ class LLMEngine:
         """Takes effect at the next step boundary."""
         if request_id in self._seqs:
             self.scheduler.abort(request_id)
+
+    def finish_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request now with reason "stop" (the front end found a stop string) and
+        gives its blocks back; call it between steps. Its final output, or None if it had
+        already finished."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.finish(seq, FinishReason.STOP)
+        return self._finish_output(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -1,8 +1,16 @@
 """Turns sampled tokens into what a client sees: incremental text, stop strings, logprobs.
 
+Two users, one `RequestState` (detokenizer + stop-string matcher) per request:
+- `OutputProcessor`, inside LLMEngine.step, for the offline API (`LLMEngine.generate`). The
+  server's engine core sends `detokenize=False` requests, for which it only collects ids.
+- `TextProcessor`, in the server's front end (engine/async_engine.py): it turns the core's
+  per-step token ids (`SeqOutput`) into text deltas, finds stop strings, and tells the caller
+  when one ended a request (the core is then told to finish it; tokens the core produced
+  after the stop are dropped here, so no text past a stop string reaches a client).
+
 This runs once per generated token, so the per-token path stays lean: requests with
 `detokenize=False` skip the detokenizer altogether, and the timing metrics of an output are
-only gathered when its request finishes (the only place they are read).
+only gathered with its first tokens and when its request finishes.
 """
 
 from __future__ import annotations
@@ -10,19 +18,21 @@ from __future__ import annotations
 import time
 
 from bucketserve.engine.detokenizer import StopStringMatcher, make_detokenizer
+from bucketserve.engine.messages import SeqOutput
 from bucketserve.engine.outputs import RequestOutput
-from bucketserve.engine.sequence import FinishReason, Sequence, TokenLogprob
+from bucketserve.engine.sequence import FinishReason, SamplingParams, Sequence, TokenLogprob
+
+TIMEOUT_ERROR = "the request waited in the queue longer than the queue timeout"
 
 
 class RequestState:
     """Text-side state of one request: its detokenizer, stop matcher and emitted text."""
 
-    def __init__(self, seq: Sequence, tokenizer) -> None:
-        self.seq = seq
-        self.detok = (make_detokenizer(tokenizer, seq.prompt_token_ids,
-                                       skip_special_tokens=seq.params.skip_special_tokens)
-                      if seq.params.detokenize else None)
-        self.stops = StopStringMatcher(seq.params.stop) if seq.params.stop else None
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, tokenizer) -> None:
+        self.detok = (make_detokenizer(tokenizer, prompt_token_ids,
+                                       skip_special_tokens=params.skip_special_tokens)
+                      if params.detokenize else None)
+        self.stops = StopStringMatcher(params.stop) if params.stop else None
         self.text = ""
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
@@ -59,7 +69,7 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add(self, seq: Sequence) -> None:
-        self.states[seq.request_id] = RequestState(seq, self.tokenizer)
+        self.states[seq.request_id] = RequestState(seq.prompt_token_ids, seq.params, self.tokenizer)
 
     def on_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> bool:
         """Records one sampled token; True when a stop string ends the sequence."""
@@ -91,13 +101,16 @@ class OutputProcessor:
         if finished:
             reason = seq.finish_reason.value
             if error is None and seq.finish_reason is FinishReason.TIMEOUT:
-                error = "the request waited in the queue longer than the queue timeout"
+                error = TIMEOUT_ERROR
             metrics["arrival"] = seq.arrival_time
             for key, value in (("first_scheduled", seq.first_scheduled_time),
                                ("first_token", seq.first_token_time),
                                ("finished", time.monotonic())):
                 if value is not None:
                     metrics[key] = value
+        elif sent == 0 and num_output:  # the first tokens: when it started (for the front end)
+            metrics["first_scheduled"] = seq.first_scheduled_time or 0.0
+            metrics["first_token"] = seq.first_token_time or 0.0
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=output_ids[sent:],
@@ -112,3 +125,85 @@ class OutputProcessor:
             error=error,
             metrics=metrics,
         )
+
+
+class _Stream:
+    """Front-end state of one request."""
+
+    __slots__ = ("state", "params", "num_prompt", "token_ids", "text", "metrics")
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
+                 arrival_time: float) -> None:
+        self.state = RequestState(prompt_token_ids, params, tokenizer)
+        self.params = params
+        self.num_prompt = len(prompt_token_ids)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.metrics: dict[str, float] = {"arrival": arrival_time}
+
+
+class TextProcessor:
+    """The front end's output processing: the core's token ids -> RequestOutput with text.
+
+    `add` a request with its real parameters (stop strings included) before its first
+    output; `process` each of its SeqOutputs in order; the state goes once it finished."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.streams: dict[str, _Stream] = {}
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            arrival_time: float) -> None:
+        self.streams[request_id] = _Stream(prompt_token_ids, params, self.tokenizer, arrival_time)
+
+    def drop(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+
+    def process(self, out: SeqOutput) -> tuple[RequestOutput | None, bool]:
+        """(the client's output, True when a stop string ended the request here); (None,
+        False) for a request that is not (or no longer) here."""
+        st = self.streams.get(out.request_id)
+        if st is None:
+            return None, False
+        state = st.state
+        ids = out.new_token_ids
+        stopped = False
+        old_len = len(st.text)
+        for k, token in enumerate(ids):
+            st.text += state.new_text(token)
+            if state.stop_matched:  # the tokens after this one never happened for the client
+                stopped = True
+                ids = ids[:k + 1]
+                break
+        st.token_ids.extend(ids)
+        if out.metrics:
+            st.metrics.update(out.metrics)
+        reason = "stop" if stopped else out.finish_reason
+        finished = reason is not None
+        new_lps: list[TokenLogprob] = []
+        if out.logprobs and st.params.logprobs is not None:
+            new_lps = out.logprobs[:len(ids)]
+        error = None
+        metrics: dict[str, float] = {}
+        if finished:
+            st.text += state.flush()
+            del self.streams[out.request_id]
+            if reason == FinishReason.TIMEOUT.value:
+                error = TIMEOUT_ERROR
+            metrics = st.metrics
+            metrics.setdefault("finished", time.monotonic())
+        num_output = len(st.token_ids)
+        return RequestOutput(
+            request_id=out.request_id,
+            new_token_ids=list(ids),
+            new_text=st.text[old_len:],
+            text=st.text,
+            token_ids=list(st.token_ids) if finished else [],
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=st.num_prompt,
+            num_output_tokens=num_output,
+            new_logprobs=new_lps,
+            error=error,
+            metrics=metrics,
+        ), stopped

@@ -17,12 +17,13 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     text: str  # all text emitted so far
-    token_ids: list[int]  # all output token ids so far
+    token_ids: list[int]  # all output token ids so far (the server's outputs: in the final one only)
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "timeout"
     num_prompt_tokens: int
     num_output_tokens: int
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
-    # in the final output only: arrival, first_scheduled, first_token, finished (monotonic s)
+    # in the final output: arrival, first_scheduled, first_token, finished (monotonic s);
+    # the engine's first output with tokens carries first_scheduled and first_token too
     metrics: dict[str, float] = field(default_factory=dict)

@@ -1,9 +1,11 @@
 """`bucketserve serve`: load the model, warm up, then serve the OpenAI API with uvicorn.
 
-The model is loaded and warmed up before uvicorn binds the port, so a client that can
+The engine core runs in its own process (engine/core.py; `--engine-in-process`: a thread),
+which loads and warms up the model before uvicorn binds the port, so a client that can
 connect is served at once. SIGTERM / SIGINT: uvicorn stops accepting; requests still
 running get --shutdown-timeout seconds to finish, then they are aborted (their clients get
-an error, not silence); the engine stops; the process exits 0.
+an error, not silence); the engine stops; the process exits 0. If the engine core dies,
+open requests get an error, /health answers 503 and the process exits 1.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted")
+    s.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine core in a thread of the HTTP server's process instead of "
+                        "its own process")
     return parser
 
 
@@ -67,32 +72,23 @@ def _torch_dtype(name: str, device: str):
 
 
 def load_engine(args: argparse.Namespace):
-    """Model, buckets, KV pool and a warm-up generation; returns a started-not-yet AsyncEngine."""
+    """The engine core (its own process unless --engine-in-process), loaded and warmed up,
+    and the buckets config; returns a started-not-yet AsyncEngine."""
     from bucketserve.buckets import load_buckets
     from bucketserve.engine.async_engine import AsyncEngine
-    from bucketserve.engine.llm_engine import LLMEngine
-    from bucketserve.engine.sequence import SamplingParams
-    from bucketserve.models import load_model
+    from bucketserve.engine.core import build_engine
 
-    t0 = time.perf_counter()
-    loaded = load_model(args.model, device=args.device, dtype=_torch_dtype(args.dtype, args.device))
-    t_model = time.perf_counter() - t0
-    buckets = load_buckets(args.buckets, max_model_len=loaded.max_model_len)
-    engine = LLMEngine(loaded, buckets, args.device)
-    bm = engine.block_manager
-    log.info("model %s loaded in %.1f s (max_model_len %d); KV pool: %d blocks of %d tokens",
-             engine.model_name, t_model, engine.max_model_len, bm.num_usable_blocks, bm.block_size)
-    t1 = time.perf_counter()
-    # One short generation runs every stage once (prefill, decode, sampling, detokenizing).
-    bos = engine.tokenizer.bos_token_id
-    engine.generate([[bos if bos is not None else 0]], SamplingParams(max_tokens=2, temperature=0.0))
-    log.info("warm-up done in %.2f s; buckets prepared (eager on %s): prefill %s, decode batch sizes %s",
-             time.perf_counter() - t1, args.device, list(buckets.prefill_boundaries),
-             list(buckets.decode_batch_sizes))
-    log.info("scheduler: max_running %d, max_waiting %d, max_batched_tokens %d, queue timeout "
-             "%.1f s, policy %s", buckets.max_running, buckets.max_waiting,
-             engine.max_batched_tokens, buckets.queue_timeout_s, buckets.policy)
-    return AsyncEngine(engine), buckets
+    load_buckets(args.buckets)  # a bad file fails here, before a process is started
+    if args.engine_in_process:
+        engine = AsyncEngine.in_process(build_engine(args.model, args.device, args.dtype,
+                                                     args.buckets))
+    else:
+        t0 = time.perf_counter()
+        engine = AsyncEngine.spawn(args.model, args.device, args.dtype, args.buckets,
+                                   args.log_level)
+        log.info("engine core ready in process %d after %.1f s", engine.core.pid,
+                 time.perf_counter() - t0)
+    return engine, load_buckets(args.buckets, max_model_len=engine.max_model_len)
 
 
 def load_add_ons(args: argparse.Namespace, buckets) -> list[AddOn]:
@@ -116,15 +112,26 @@ def serve(args: argparse.Namespace) -> int:
     from sse_starlette.sse import AppStatus
 
     from bucketserve.buckets import ConfigError
+    from bucketserve.engine.core_client import CoreStartError
     from bucketserve.server.context import ServerContext
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from installed packages only
     try:
         engine, buckets = load_engine(args)
+    except (ConfigError, FileNotFoundError, ValueError, CoreStartError) as exc:
+        print(f"bucketserve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         add_ons = load_add_ons(args, buckets)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
+        if not args.engine_in_process:
+            engine.core.stop(5.0)
         return 2
+    if not add_ons and not args.engine_in_process:
+        import torch
+
+        torch.set_num_threads(1)  # no model work in this process: leave the cores to the engine
 
     ctx = ServerContext(engine, shutdown_timeout_s=args.shutdown_timeout)
     app = create_app(ctx, api_key=args.api_key, max_body_bytes=args.max_body_bytes, add_ons=add_ons)
@@ -144,7 +151,13 @@ def serve(args: argparse.Namespace) -> int:
     # so that a graceful stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _ignore)
-    Server(config).run()
+    server = Server(config)
+    # The engine core died: stop serving (a supervisor restarts us), exit non-zero.
+    engine.on_dead.append(lambda: setattr(server, "should_exit", True))
+    server.run()
+    if engine.dead_reason is not None:
+        log.error("exiting: the engine core died (%s)", engine.dead_reason)
+        return 1
     log.info("bye")
     return 0
 

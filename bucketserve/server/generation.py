@@ -18,8 +18,8 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from bucketserve.engine.admission import RequestError
 from bucketserve.engine.async_engine import AsyncEngine, EngineDeadError
-from bucketserve.engine.llm_engine import RequestError
 from bucketserve.engine.outputs import QueueFullError, RequestOutput
 from bucketserve.engine.sequence import SamplingError, SamplingParams
 from bucketserve.server.errors import APIError, invalid_request, overloaded

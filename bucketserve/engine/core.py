@@ -1,0 +1,251 @@
+"""The engine core: a loop that only takes requests in, steps the engine and sends results out.
+
+    while running:
+        take every waiting input (add / abort / finish / shutdown)   -- the step boundary
+        if there is work: one LLMEngine.step(), then ONE StepOutputs message for the step
+        elif some requests were finished by the inputs: one StepOutputs with just those
+
+Requests reach the core with `detokenize=False` and no stop strings: text and stop strings
+are the front end's work (engine/async_engine.py), so a step's message holds token ids only.
+The same loop runs in its own process (`run_core_process`, ZeroMQ + msgpack: the default
+for `bucketserve serve`) or in a thread of the front end's process (AsyncEngine.in_process:
+the Python API, tests), so both modes share every line of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from bucketserve.engine.llm_engine import LLMEngine
+from bucketserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreInput,
+    CoreReady,
+    FinishRequests,
+    SeqOutput,
+    Shutdown,
+    StepOutputs,
+    TokenizerSpec,
+    input_codec,
+    output_codec,
+)
+from bucketserve.engine.outputs import RequestOutput
+from bucketserve.engine.sequence import SamplingParams, Sequence
+
+log = logging.getLogger("bucketserve.core")
+
+IDLE_WAIT_S = 0.1  # how long an idle core waits for input before it checks on its parent
+
+
+def tokenizer_spec(tokenizer) -> TokenizerSpec:
+    return TokenizerSpec(backend_json=tokenizer.backend.to_str(), bos_token=tokenizer.bos_token,
+                         eos_token=tokenizer.eos_token,
+                         eos_token_ids=sorted(tokenizer.eos_token_ids),
+                         chat_template=tokenizer.chat_template)
+
+
+def tokenizer_from_spec(spec: TokenizerSpec):
+    """The core's tokenizer, rebuilt in the front end (no model file is read)."""
+    from tokenizers import Tokenizer as Backend
+
+    from bucketserve.models.tokenizer import Tokenizer
+
+    tok = Tokenizer(Backend.from_str(spec.backend_json), bos_token=spec.bos_token,
+                    eos_token=spec.eos_token, chat_template=spec.chat_template)
+    tok.eos_token_ids = set(spec.eos_token_ids)
+    return tok
+
+
+class EngineCore:
+    """An LLMEngine behind the input messages, producing one StepOutputs per step."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.num_added = 0
+        self._finished: list[SeqOutput] = []  # ended by inputs, reported with the next message
+
+    def ready(self) -> CoreReady:
+        e = self.engine
+        return CoreReady(model_name=e.model_name, limits=e.limits,
+                         kv_blocks_total=e.block_manager.num_usable_blocks,
+                         tokenizer=tokenizer_spec(e.tokenizer), pid=os.getpid())
+
+    def handle(self, msg: CoreInput) -> None:
+        if isinstance(msg, AddRequest):
+            # Admitted by the front end (engine/admission.py): no second check here.
+            self.engine.add_sequence(Sequence(
+                msg.prompt_token_ids, msg.params, request_id=msg.request_id,
+                priority=msg.priority, arrival_time=msg.arrival_time,
+                queue_timeout_s=self.engine.buckets.queue_timeout_s))
+            self.num_added += 1
+        elif isinstance(msg, AbortRequests):
+            for rid in msg.request_ids:
+                self.engine.abort(rid)
+        elif isinstance(msg, FinishRequests):
+            for rid in msg.request_ids:
+                out = self.engine.finish_request(rid)
+                if out is not None:
+                    self._finished.append(seq_output(out))
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def has_news(self) -> bool:
+        return bool(self._finished)
+
+    def step(self) -> StepOutputs:
+        """One engine step (if there is work) and everything it produced, in one message."""
+        engine = self.engine
+        outputs, self._finished = self._finished, []
+        stats = None
+        if engine.has_unfinished():
+            steps = engine.stats.num_steps
+            outputs += [seq_output(o) for o in engine.step()]
+            if engine.stats.num_steps != steps:
+                stats = engine.stats.recent[-1]
+        sched = engine.scheduler
+        return StepOutputs(outputs=outputs, stats=stats, num_waiting=sched.num_waiting,
+                           num_running=sched.num_running,
+                           kv_blocks_used=engine.block_manager.num_used_blocks,
+                           num_added=self.num_added)
+
+
+def seq_output(out: RequestOutput) -> SeqOutput:
+    return SeqOutput(out.request_id, out.new_token_ids, out.finish_reason,
+                     out.new_logprobs or None, out.metrics or None)
+
+
+def run_core_loop(core: EngineCore, receive: Callable[[float], Iterable[CoreInput]],
+                  send: Callable[[StepOutputs], None],
+                  keep_going: Callable[[], bool] = lambda: True) -> None:
+    """The core loop. `receive(timeout_s)` returns every input available, waiting up to
+    timeout_s for the first; `send` delivers one message; `keep_going` is asked between
+    steps (the process core checks that its front end still exists)."""
+    while keep_going():
+        busy = core.has_work() or core.has_news()
+        for msg in receive(0.0 if busy else IDLE_WAIT_S):
+            if isinstance(msg, Shutdown):
+                return
+            core.handle(msg)
+        if core.has_work() or core.has_news():
+            send(core.step())
+
+
+# ---- the core in its own process ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """What `bucketserve serve` hands the core process (picklable)."""
+
+    model: str
+    device: str
+    dtype: str  # "auto" | "float32" | "bfloat16" | "float16"
+    buckets_path: str | None
+    input_address: str  # the core PULLs requests here
+    output_address: str  # the core PUSHes StepOutputs here
+    parent_pid: int
+    log_level: str = "info"
+
+
+def build_engine(model: str, device: str, dtype: str, buckets_path: str | None) -> LLMEngine:
+    """Model, buckets, KV pool and a warm-up generation (every stage runs once)."""
+    import torch
+
+    from bucketserve.buckets import load_buckets
+    from bucketserve.models import load_model
+
+    torch_dtype = ((torch.bfloat16 if device == "cuda" else torch.float32) if dtype == "auto"
+                   else getattr(torch, dtype))
+    t0 = time.perf_counter()
+    loaded = load_model(model, device=device, dtype=torch_dtype)
+    t_model = time.perf_counter() - t0
+    buckets = load_buckets(buckets_path, max_model_len=loaded.max_model_len)
+    engine = LLMEngine(loaded, buckets, device)
+    bm = engine.block_manager
+    log.info("model %s loaded in %.1f s (max_model_len %d); KV pool: %d blocks of %d tokens",
+             engine.model_name, t_model, engine.max_model_len, bm.num_usable_blocks, bm.block_size)
+    t1 = time.perf_counter()
+    bos = engine.tokenizer.bos_token_id
+    engine.generate([[bos if bos is not None else 0]], SamplingParams(max_tokens=2, temperature=0.0))
+    log.info("warm-up done in %.2f s; buckets prepared (eager on %s): prefill %s, decode batch sizes %s",
+             time.perf_counter() - t1, device, list(buckets.prefill_boundaries),
+             list(buckets.decode_batch_sizes))
+    log.info("scheduler: max_running %d, max_waiting %d, max_batched_tokens %d, queue timeout "
+             "%.1f s, policy %s", buckets.max_running, buckets.max_waiting,
+             engine.max_batched_tokens, buckets.queue_timeout_s, buckets.policy)
+    return engine
+
+
+def run_core_process(cfg: CoreConfig) -> None:
+    """Entry point of the core process: build the engine, say READY, loop until told to stop
+    or until the front end is gone (no orphan core). Exits 1 if the engine fails."""
+    import zmq
+
+    # Ctrl-C / a supervisor's SIGTERM to the whole group is the front end's to handle: it
+    # drains, then sends Shutdown. The core ends on that message or when its parent is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(cfg.input_address)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(cfg.output_address)
+    for sock in (inbox, outbox):
+        sock.setsockopt(zmq.LINGER, 1000)
+    in_enc, in_dec = input_codec()
+    out_enc, _ = output_codec()
+    del in_enc
+
+    def parent_alive() -> bool:
+        return os.getppid() == cfg.parent_pid
+
+    code = 0
+    try:
+        try:
+            core = EngineCore(build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path))
+        except (FileNotFoundError, ValueError) as exc:  # a bad model name, file or config
+            outbox.send(out_enc.encode(CoreFailed(str(exc))))
+            code = 2
+            return
+        outbox.send(out_enc.encode(core.ready()))
+
+        def receive(timeout_s: float) -> list[CoreInput]:
+            msgs = []
+            if timeout_s > 0 and not inbox.poll(int(timeout_s * 1000)):
+                return msgs
+            while True:
+                try:
+                    msgs.append(in_dec.decode(inbox.recv(zmq.NOBLOCK, copy=False).buffer))
+                except zmq.Again:
+                    return msgs
+
+        def send(msg: StepOutputs) -> None:
+            outbox.send(out_enc.encode(msg), copy=False)
+
+        run_core_loop(core, receive, send, parent_alive)
+        if not parent_alive():
+            log.warning("the front end is gone: engine core exits")
+    except BaseException as exc:  # noqa: BLE001 - reported to the front end, then exit 1
+        log.exception("engine core failed")
+        try:
+            outbox.send(out_enc.encode(CoreFailed(f"{type(exc).__name__}: {exc}")), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        code = 1
+    finally:
+        inbox.close(0)
+        outbox.close()
+        ctx.term()
+        if code:
+            sys.exit(code)
