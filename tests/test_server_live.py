@@ -391,6 +391,26 @@ def test_client_disconnect_mid_stream_frees_its_kv_blocks(server, http) -> None:
     assert m["bucketserve_useful_tokens_total"] - useful_before < max_tokens
 
 
+def test_a_stop_string_finishes_the_sequence_in_the_engine_core(server, client, model) -> None:
+    """The front end finds the stop; the core finishes the sequence and frees its blocks."""
+    base = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[len(base) // 2:len(base) // 2 + 3]
+    stops = server.metric('bucketserve_request_success_total{finish_reason="stop"}')
+    useful_before = server.metric("bucketserve_useful_tokens_total")
+    max_tokens = 1500
+    texts, reasons, _ = stream_text(client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0, stop=[stop],
+        stream=True, extra_body={"ignore_eos": True}))
+    assert texts == {0: base[:base.index(stop)]} and reasons == {0: "stop"}
+    server.wait_for_metric('bucketserve_request_success_total{finish_reason="stop"}',
+                           lambda v: v == stops + 1)
+    server.wait_for_metric("bucketserve_kv_blocks_used", lambda v: v == 0)
+    assert server.metric("bucketserve_requests_running") == 0
+    # the generation stopped a step or so after the stop string, not at max_tokens
+    assert server.metric("bucketserve_useful_tokens_total") - useful_before < 100
+
+
 def test_abandoned_non_streaming_request_is_aborted(server) -> None:
     aborted = server.metric('bucketserve_request_success_total{finish_reason="abort"}')
     body = json.dumps({"prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True}).encode()
