@@ -84,6 +84,7 @@ def main() -> int:
     ap.add_argument("--loadgen", default="/work/shared/bench/loadgen.py")
     ap.add_argument("--client-python", default=sys.executable)
     ap.add_argument("--warmup-limit", type=int, default=16, help="requests of the warm-up run")
+    ap.add_argument("--limit", type=int, default=None, help="only the first N workload requests")
     ap.add_argument("--out", default="bench/results/online_split_cpu.json")
     args = ap.parse_args()
 
@@ -94,7 +95,8 @@ def main() -> int:
         servers[name] = (path, flags)
     tmp = Path(tempfile.mkdtemp(prefix="online-split-"))
     procs = {}
-    result: dict = {"concurrency": args.concurrency, "workload": args.workload,
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the finally: stop the servers
+    result: dict = {"concurrency": args.concurrency, "workload": args.workload, "limit": args.limit,
                     "cpu": subprocess.run("lscpu | grep 'Model name'", shell=True, text=True,
                                           capture_output=True).stdout.split(":")[-1].strip(),
                     "nproc": os.cpu_count(), "servers": {n: " ".join([p, *f]) for n, (p, f) in servers.items()},
@@ -110,7 +112,7 @@ def main() -> int:
             for name, (_, url) in procs.items():
                 load1 = os.getloadavg()[0]
                 s = load(args.client_python, args.loadgen, url, args.workload, args.concurrency,
-                         tmp / f"{name}-{r}.json", None)
+                         tmp / f"{name}-{r}.json", args.limit)
                 run = {k: s[k] for k in ("output_throughput", "request_throughput", "duration_s",
                                          "completed", "errors", "total_output_tokens")}
                 for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
