@@ -54,7 +54,10 @@ class LLMEngine:
                                        buckets.block_size, dtype)
         if num_blocks is None:
             num_blocks = self._budget_blocks(per_block, cuda_graphs and piecewise_graphs)
-        self.block_manager = BlockManager(num_blocks, buckets.block_size)
+        # prefix cache: block hashes also cover the model and dtype (block_manager.py)
+        self.block_manager = BlockManager(num_blocks, buckets.block_size,
+                                          enable_caching=buckets.prefix_caching,
+                                          cache_key=(loaded.name, str(dtype)))
         self.scheduler = Scheduler(
             self.block_manager,
             prefill_buckets=BucketSpec(buckets.prefill_boundaries),
@@ -161,6 +164,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        bm = self.block_manager
+        self.stats.set_prefix_cache(bm.query_tokens, bm.hit_tokens, bm.num_cached_blocks)
         results = [self._finish_output(seq) for seq in batch.finished]
         if batch.is_empty:
             self.stats.set_queue(self.scheduler.num_waiting, self.scheduler.num_running,
