@@ -207,6 +207,8 @@ class BlockManager:
         start = seq.num_registered_blocks
         if full <= start or not self.enable_caching:
             return
+        # never past the table (a sequence freed since the step ran holds no blocks)
+        full = min(full, len(seq.block_table))
         hashes = self.hash_blocks(seq, full)
         table = seq.block_table
         cached = self._cached
