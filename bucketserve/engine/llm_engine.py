@@ -164,15 +164,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        bm = self.block_manager
-        self.stats.set_prefix_cache(bm.query_tokens, bm.hit_tokens, bm.num_cached_blocks)
         results = [self._finish_output(seq) for seq in batch.finished]
+        bm = self.block_manager
         if batch.is_empty:
+            self.stats.set_prefix_cache(bm.query_tokens, bm.hit_tokens, bm.num_cached_blocks)
             self.stats.set_queue(self.scheduler.num_waiting, self.scheduler.num_running,
                                  self.block_manager.num_used_blocks)
             return results
         out = self.runner.run(batch)
         self.scheduler.update(batch, out.sampled)
+        # after update: it registers the blocks this step computed
+        self.stats.set_prefix_cache(bm.query_tokens, bm.hit_tokens, bm.num_cached_blocks)
         for seq, token, lp in zip(batch.seqs, out.sampled, out.logprobs, strict=True):
             if token is None:
                 continue
