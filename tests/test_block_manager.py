@@ -240,3 +240,31 @@ def test_request_arriving_during_prefill_reuses_only_computed_blocks():
     sched.update(batch, [7, None])
     run_to_end(sched)
     assert sched.blocks.num_used_blocks == 0
+
+
+def test_abort_and_preemption_release_shared_blocks_to_the_cache():
+    sched = make_scheduler(num_blocks=64, block_size=4, max_batched_tokens=64,
+                           boundaries=(8, 16, 32, 64), prefix_caching=True)
+    bm = sched.blocks
+    a = seq_of(TOKENS[:20])
+    sched.add(a)
+    batch = sched.schedule()
+    sched.update(batch, [7])  # a's prompt computed: 5 blocks registered, first token sampled
+    b = seq_of(TOKENS[:20] + [3, 3])
+    sched.add(b)
+    batch = sched.schedule()  # a decodes, b starts from a's 5 blocks
+    assert b.block_table[:5] == a.block_table[:5] and b.num_cached_tokens == 20
+    shared = a.block_table[:5]
+    assert all(bm.ref_counts[x] == 2 for x in shared)
+    sched.abort(b.request_id)
+    sched.update(batch, [7, 7])
+    left = sched.schedule().finished
+    assert left == [b] and all(bm.ref_counts[x] == 1 for x in shared)
+    sched._preempt(a)  # as under memory pressure: a's blocks go back, stay cached
+    assert bm.num_used_blocks == 0 and all(bm.ref_counts[x] == 0 for x in shared)
+    assert set(shared) <= set(bm._evictable)
+    batch = sched.schedule()  # a is readmitted from its own cached blocks
+    assert a.block_table[:5] == shared and a.num_cached_tokens == 20
+    assert batch.num_new_tokens == [a.num_tokens - 20]
+    run_to_end(sched)
+    assert bm.num_used_blocks == 0
