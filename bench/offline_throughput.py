@@ -7,6 +7,10 @@ with left padding; each batch runs to its longest max_tokens. Output tokens/s co
 tokens the requests asked for (sum of max_tokens) over wall time.
 
     .venv/bin/python bench/offline_throughput.py [--workload ../shared/workloads/mixed.jsonl]
+
+`--prefix-caching-ab N` instead measures the host cost of prefix caching on this workload
+(random prompts: nothing to share, so caching can only cost): bucketserve alone, caching off
+and on alternately, N runs each in one process, and the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bucketserve sets it; before torch loads
 
 import argparse
+import dataclasses
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -44,9 +50,14 @@ def load_workload(path: Path, tokenizer, limit: int | None) -> list[tuple[list[i
     return out
 
 
-def run_bucketserve(requests, buckets_path: str | None) -> dict:
-    loaded = load_model("smollm2-135m-instruct", dtype=torch.float32)
-    engine = LLMEngine(loaded, load_buckets(buckets_path, max_model_len=loaded.max_model_len))
+def run_bucketserve(requests, buckets_path: str | None, loaded=None,
+                    prefix_caching: bool | None = None) -> dict:
+    loaded = loaded or load_model("smollm2-135m-instruct", dtype=torch.float32)
+    buckets = load_buckets(buckets_path, max_model_len=loaded.max_model_len)
+    if prefix_caching is not None:
+        buckets = dataclasses.replace(buckets, prefix_caching=prefix_caching)
+    engine = LLMEngine(loaded, buckets)
+    host = _time_cache_calls(engine.block_manager) if prefix_caching else None
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in requests]
     t0 = time.perf_counter()
     outs = engine.generate([ids for ids, _ in requests], params)
@@ -66,7 +77,44 @@ def run_bucketserve(requests, buckets_path: str | None) -> dict:
         "steps": s.num_steps,
         "preemptions": s.preemptions_total,
         "mean_batch": round(sum(x.num_seqs for x in steps) / max(1, len(steps)), 1),
+        "prefix_caching": engine.block_manager.enable_caching,
+        "prefix_cache_hit_tokens": s.prefix_cache_hits_total,
+        **({"prefix_cache_host_s": round(host[0], 4)} if host else {}),
     }
+
+
+def _time_cache_calls(bm) -> list[float]:
+    """Wraps the block manager's caching-only work (lookup, with the hashing it does, and
+    cache_computed) to add up its host time; returns the one-element running total."""
+    total = [0.0]
+    for name in ("lookup", "cache_computed"):
+        fn = getattr(bm, name)
+
+        def timed(seq, _fn=fn):
+            t0 = time.perf_counter()
+            try:
+                return _fn(seq)
+            finally:
+                total[0] += time.perf_counter() - t0
+
+        setattr(bm, name, timed)
+    return total
+
+
+def prefix_caching_ab(requests, buckets_path: str | None, repeats: int) -> dict:
+    """Caching off and on, alternately (off, on, off, on, ...), same process and model."""
+    loaded = load_model("smollm2-135m-instruct", dtype=torch.float32)
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(repeats):
+        for caching in (False, True):
+            r = run_bucketserve(requests, buckets_path, loaded, prefix_caching=caching)
+            r["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
+            print(json.dumps(r), flush=True)
+            runs[caching].append(r)
+    med = {c: statistics.median(r["output_tokens_per_s"] for r in runs[c]) for c in runs}
+    return {"off": runs[False], "on": runs[True],
+            "median_tokens_per_s_off": med[False], "median_tokens_per_s_on": med[True],
+            "ratio_on_over_off": round(med[True] / med[False], 4)}
 
 
 def run_hf_static(requests, batch_size: int) -> dict:
@@ -113,11 +161,24 @@ def main() -> None:
     ap.add_argument("--buckets", default=None, help="buckets TOML (default: the shipped one)")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--prefix-caching-ab", type=int, default=0, metavar="N",
+                    help="instead: caching off vs on, N runs each, alternately (host cost)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "offline_throughput.json")
     args = ap.parse_args()
     torch.manual_seed(0)
     tokenizer = load_model("smollm2-135m-instruct").tokenizer
     requests = load_workload(args.workload, tokenizer, args.limit)
+    machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+               f"{torch.get_num_threads()} threads")
+    if args.prefix_caching_ab:
+        ab = prefix_caching_ab(requests, args.buckets, args.prefix_caching_ab)
+        result = {"workload": str(args.workload.name), "requests": len(requests),
+                  "machine": machine, **ab}
+        print(f"median output tokens/s: caching on {ab['median_tokens_per_s_on']}, off "
+              f"{ab['median_tokens_per_s_off']}: ratio {ab['ratio_on_over_off']}", flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        return
     ours = run_bucketserve(requests, args.buckets)
     ours["load_avg_1m_after"] = round(os.getloadavg()[0], 2)  # other work on the machine skews both
     print(json.dumps(ours), flush=True)

@@ -13,8 +13,10 @@ EOS = 2
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_running: int = 8,
                    max_batched_tokens: int = 64, max_model_len: int = 1024,
                    policy: str = "priority",
-                   boundaries: tuple[int, ...] = (8, 16, 32, 64)) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), BucketSpec(boundaries),
+                   boundaries: tuple[int, ...] = (8, 16, 32, 64),
+                   prefix_caching: bool = False) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size, enable_caching=prefix_caching),
+                     BucketSpec(boundaries),
                      BucketSpec((1, 2, 4, 8)), max_running, max_batched_tokens, max_model_len,
                      eos_token_ids={EOS}, policy=policy)
 

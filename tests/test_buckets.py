@@ -30,7 +30,8 @@ DOCUMENTED_DEFAULTS = {
     "decode": {"batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]},
     "scheduler": {"max_running": 256, "max_batched_tokens": "auto", "max_waiting": 1024,
                   "queue_timeout_s": 600.0, "policy": "priority"},
-    "kv_cache": {"block_size": 16, "cpu_memory_gib": 2.0, "gpu_memory_fraction": 0.9},
+    "kv_cache": {"block_size": 16, "cpu_memory_gib": 2.0, "gpu_memory_fraction": 0.9,
+                 "prefix_caching": True},
     "embedding": {"boundaries": [*range(8, 257, 8), 320, 384, 448, 512], "preferred_batch_size": 32,
                   "max_batch_tokens": 8192, "max_queue_delay_ms": 5.0,
                   "max_inputs_per_request": 2048, "max_merged_padding": 0.1},
@@ -142,6 +143,12 @@ def test_step_token_budget_auto_is_per_device(tmp_path: Path) -> None:
     assert fixed.step_token_budget("cpu") == fixed.step_token_budget("cuda") == 512
 
 
+def test_prefix_caching_can_be_turned_off(tmp_path: Path) -> None:
+    config = load_buckets(write(tmp_path, "[kv_cache]\nprefix_caching = false\n"))
+    assert config.prefix_caching is False
+    assert "prefix_caching = false" in config.to_toml()
+
+
 def test_gpu_memory_fraction_one_is_legal(tmp_path: Path) -> None:
     assert load_buckets(write(tmp_path, "[kv_cache]\ngpu_memory_fraction = 1\n")
                         ).gpu_memory_fraction == 1.0
@@ -230,6 +237,8 @@ INVALID = [
     ("[kv_cache]\ngpu_memory_fraction = 0\n", "kv_cache.gpu_memory_fraction", ["(0, 1]"]),
     ("[kv_cache]\ngpu_memory_fraction = 1.01\n", "kv_cache.gpu_memory_fraction", ["1.01", "(0, 1]"]),
     ("[kv_cache]\ngpu_memory_fraction = -0.5\n", "kv_cache.gpu_memory_fraction", ["(0, 1]"]),
+    ("[kv_cache]\nprefix_caching = 1\n", "kv_cache.prefix_caching", ["integer", "true or false"]),
+    ('[kv_cache]\nprefix_caching = "on"\n', "kv_cache.prefix_caching", ["string", "true or false"]),
     ("[embedding]\nmax_merged_padding = 1.5\n", "embedding.max_merged_padding", ["1.5", "[0, 1]"]),
     ("[embedding]\nmax_merged_padding = -0.1\n", "embedding.max_merged_padding", ["[0, 1]"]),
     ("[embedding]\nmax_merged_padding = nan\n", "embedding.max_merged_padding", ["nan", "[0, 1]"]),
@@ -470,6 +479,7 @@ def test_padding_counter() -> None:
 
 def test_buckets_config_fields() -> None:
     names = [f.name for f in dataclasses.fields(BucketsConfig)]
-    assert names[:11] == ["prefill_boundaries", "decode_batch_sizes", "max_running",
+    assert names[:12] == ["prefill_boundaries", "decode_batch_sizes", "max_running",
                           "max_batched_tokens", "max_waiting", "queue_timeout_s", "policy",
-                          "block_size", "cpu_memory_gib", "gpu_memory_fraction", "embedding"]
+                          "block_size", "cpu_memory_gib", "gpu_memory_fraction", "prefix_caching",
+                          "embedding"]

@@ -156,6 +156,12 @@ def _closed_fraction(value: Any) -> float:
     return number
 
 
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Bad(f"{_got(value)}; expected true or false")
+    return value
+
+
 POLICIES = ("fcfs", "priority")
 
 
@@ -186,6 +192,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
         "block_size": (_positive_int, "block_size"),
         "cpu_memory_gib": (_positive_float, "cpu_memory_gib"),
         "gpu_memory_fraction": (_fraction, "gpu_memory_fraction"),
+        "prefix_caching": (_bool, "prefix_caching"),
     },
     "embedding": {
         "boundaries": (_increasing_ints, "embedding.boundaries"),
@@ -225,6 +232,7 @@ class BucketsConfig:
     block_size: int
     cpu_memory_gib: float
     gpu_memory_fraction: float
+    prefix_caching: bool  # reuse cached KV blocks of shared prompt prefixes
     embedding: EmbeddingConfig
     # Where the values came from, for error messages: the user file (or the default file), and
     # the dotted keys the user file set (defaults may be adapted to the model; user values not).
@@ -313,7 +321,9 @@ class BucketsConfig:
         for table, keys in self.to_dict().items():
             lines.append(f"[{table}]")
             for key, value in keys.items():
-                if isinstance(value, str):
+                if isinstance(value, bool):
+                    text = "true" if value else "false"
+                elif isinstance(value, str):
                     text = f'"{value}"'
                 elif isinstance(value, list):
                     text = "[" + ", ".join(str(v) for v in value) + "]"

@@ -49,7 +49,10 @@ class LLMEngine:
                                        buckets.block_size, dtype)
         if num_blocks is None:
             num_blocks = self._budget_blocks(per_block, cuda_graphs and piecewise_graphs)
-        self.block_manager = BlockManager(num_blocks, buckets.block_size)
+        # prefix cache: block hashes also cover the model and dtype (block_manager.py)
+        self.block_manager = BlockManager(num_blocks, buckets.block_size,
+                                          enable_caching=buckets.prefix_caching,
+                                          cache_key=(loaded.name, str(dtype)))
         self.scheduler = Scheduler(
             self.block_manager,
             prefill_buckets=BucketSpec(buckets.prefill_boundaries),
@@ -155,12 +158,16 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         results = [self._finish_output(seq) for seq in batch.finished]
+        bm = self.block_manager
         if batch.is_empty:
+            self.stats.set_prefix_cache(bm.query_tokens, bm.hit_tokens, bm.num_cached_blocks)
             self.stats.set_queue(self.scheduler.num_waiting, self.scheduler.num_running,
                                  self.block_manager.num_used_blocks)
             return results
         out = self.runner.run(batch)
         self.scheduler.update(batch, out.sampled)
+        # after update: it registers the blocks this step computed
+        self.stats.set_prefix_cache(bm.query_tokens, bm.hit_tokens, bm.num_cached_blocks)
         for seq, token, lp in zip(batch.seqs, out.sampled, out.logprobs, strict=True):
             if token is None:
                 continue

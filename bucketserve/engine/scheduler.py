@@ -17,7 +17,9 @@ Policy (one `schedule()` call = one step):
    of another bucket wait for a later step (the queue head is always admitted first, so
    no one starves). A prompt longer than the remaining budget is admitted with a chunk of
    the budget and continues in later steps (chunked prefill). No admission happens in a
-   step that had to preempt: the pool is the bottleneck then.
+   step that had to preempt: the pool is the bottleneck then. With prefix caching on, an
+   admitted sequence starts from the cached full blocks of its tokens (block_manager.py)
+   and only the uncached rest counts against the budget and picks its bucket.
 4. Under ``policy = "fcfs"`` the request priority is ignored: arrival order alone.
 
 The scheduler never touches tensors. `update()` appends the sampled tokens, applies the
@@ -181,13 +183,16 @@ class Scheduler:
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(admitted) >= self.max_running:
                 break
-            n = min(seq.num_uncomputed_tokens, budget)
+            # prefix cache: the cached full blocks it starts from ([] when caching is off);
+            # only the uncached rest counts against the budget and picks the bucket
+            prefix = self.blocks.lookup(seq)
+            n = min(seq.num_uncomputed_tokens - len(prefix) * self.blocks.block_size, budget)
             seq_bucket = self.prefill_buckets.lookup(n) or self.prefill_buckets.boundaries[-1]
             if bucket is not None and seq_bucket != bucket:
                 continue
-            if not self.blocks.can_allocate(seq, n):
+            if not self.blocks.can_allocate(seq, n, prefix):
                 break  # admission keeps rank order: nobody jumps a head that does not fit
-            self.blocks.allocate(seq, n)
+            self.blocks.allocate(seq, n, prefix)
             chosen[id(seq)] = n
             budget -= n
             bucket = seq_bucket
@@ -227,6 +232,7 @@ class Scheduler:
         batch.seqs[i] (None when it is still in its prompt). Returns those that finished."""
         finished: list[Sequence] = []
         finished_status = SequenceStatus.FINISHED
+        caching, cache_computed = self.blocks.enable_caching, self.blocks.cache_computed
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
             if seq.status is finished_status:
                 continue
@@ -234,6 +240,8 @@ class Scheduler:
             seq.num_computed_tokens = computed
             if computed > seq.num_ever_computed:
                 seq.num_ever_computed = computed
+            if caching:  # prefix cache: full blocks whose K/V this step wrote become reusable
+                cache_computed(seq)
             if token is None:
                 continue
             seq.token_ids.append(token)

@@ -126,6 +126,12 @@ class Sequence:
         # the most tokens ever computed: recomputation after a preemption is not useful work
         self.num_ever_computed = 0
         self.block_table: list[int] = []
+        # prefix cache (block_manager.py): hashes of the full blocks of token_ids, computed
+        # once each; leading blocks of block_table already registered or taken from the
+        # cache; prompt tokens served from the cache at the last admission
+        self.block_hashes: list[int] = []
+        self.num_registered_blocks = 0
+        self.num_cached_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None

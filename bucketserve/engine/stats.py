@@ -41,6 +41,11 @@ class EngineStats:
         self.num_running = 0
         self.kv_blocks_used = 0
         self.kv_blocks_total = 0
+        # prefix cache (block_manager.py): prompt tokens looked up at admission, of those
+        # served from the cache (totals), blocks registered in the cache now
+        self.prefix_cache_queries_total = 0
+        self.prefix_cache_hits_total = 0
+        self.prefix_cache_blocks = 0
 
     def record(self, s: StepStats) -> None:
         with self._lock:
@@ -62,6 +67,19 @@ class EngineStats:
             self.num_waiting, self.num_running = num_waiting, num_running
             self.kv_blocks_used = kv_blocks_used
 
+    def set_prefix_cache(self, queries_total: int, hits_total: int, cached_blocks: int) -> None:
+        with self._lock:
+            self.prefix_cache_queries_total = queries_total
+            self.prefix_cache_hits_total = hits_total
+            self.prefix_cache_blocks = cached_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """hits / queries in tokens over the whole run (0 before any lookup)."""
+        if not self.prefix_cache_queries_total:
+            return 0.0
+        return self.prefix_cache_hits_total / self.prefix_cache_queries_total
+
     @property
     def padding_waste(self) -> float:
         """1 - useful / computed over the whole run (0 before any step)."""
@@ -82,4 +100,7 @@ class EngineStats:
                 "num_running": self.num_running,
                 "kv_blocks_used": self.kv_blocks_used,
                 "kv_blocks_total": self.kv_blocks_total,
+                "prefix_cache_queries_total": self.prefix_cache_queries_total,
+                "prefix_cache_hits_total": self.prefix_cache_hits_total,
+                "prefix_cache_blocks": self.prefix_cache_blocks,
             }

@@ -41,6 +41,8 @@ class EngineStatsCollector(Collector):
             ("bucketserve_requests_waiting", "num_waiting", "Sequences in the waiting queue."),
             ("bucketserve_kv_blocks_used", "kv_blocks_used", "KV-cache blocks in use."),
             ("bucketserve_kv_blocks_total", "kv_blocks_total", "Usable KV-cache blocks in the pool."),
+            ("bucketserve_prefix_cache_blocks", "prefix_cache_blocks",
+             "KV blocks registered in the prefix cache (held by sequences or evictable)."),
         ):
             yield GaugeMetricFamily(name, doc, value=snap[key])
         for name, key, doc in (
@@ -50,6 +52,10 @@ class EngineStatsCollector(Collector):
             ("bucketserve_useful_tokens", "useful_tokens_total",
              "Tokens whose K/V was computed for the first time."),
             ("bucketserve_engine_steps", "num_steps", "Engine steps that ran the model."),
+            ("bucketserve_prefix_cache_queries", "prefix_cache_queries_total",
+             "Tokens of admitted sequences looked up in the prefix cache."),
+            ("bucketserve_prefix_cache_hits", "prefix_cache_hits_total",
+             "Of the looked-up tokens, those whose K/V came from the prefix cache."),
         ):
             yield CounterMetricFamily(name, doc, value=snap[key])
         steps = CounterMetricFamily("bucketserve_bucket_steps",
