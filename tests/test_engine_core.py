@@ -260,3 +260,31 @@ def test_a_dead_core_fails_open_streams_and_refuses_new_ones() -> None:
             await anext(ae.generate([1], SamplingParams(), "s"))
 
     run(scenario)
+
+
+def test_prefix_cache_counters_cross_the_split(loaded, tmp_path) -> None:
+    """The core's step messages carry the prefix-cache totals; the front end's stats mirror them."""
+    engine = make_engine(loaded, tmp_path, "[kv_cache]\nblock_size = 4\n")
+    core = EngineCore(engine)
+    shared = [100 + i for i in range(12)]  # three full blocks
+    first = AddRequest("a", shared + [7], greedy(2, detokenize=False), 0, time.monotonic())
+    second = AddRequest("b", shared + [9], greedy(2, detokenize=False), 0, time.monotonic())
+    pending = [[second], [first]]
+    sent: list[StepOutputs] = []
+
+    def receive(timeout_s: float) -> list:
+        if pending and not core.has_work():
+            return pending.pop()
+        return [] if core.has_work() else [Shutdown()]
+
+    run_core_loop(core, receive, sent.append)
+    last = sent[-1]
+    bm = engine.block_manager
+    assert last.prefix_hits_total == bm.hit_tokens == 12  # the second found the first's blocks
+    assert last.prefix_queries_total == bm.query_tokens > last.prefix_hits_total
+    assert last.prefix_cached_blocks == bm.num_cached_blocks >= 3
+    ae = AsyncEngine(FakeCore())  # the front end mirrors what the message carries
+    ae._on_step(last)
+    assert (ae.stats.prefix_cache_queries_total, ae.stats.prefix_cache_hits_total,
+            ae.stats.prefix_cache_blocks) == (last.prefix_queries_total, 12,
+                                              last.prefix_cached_blocks)

@@ -177,6 +177,8 @@ class AsyncEngine:
             stats.record(msg.stats)
         else:
             stats.set_queue(msg.num_waiting, msg.num_running, msg.kv_blocks_used)
+        stats.set_prefix_cache(msg.prefix_queries_total, msg.prefix_hits_total,
+                               msg.prefix_cached_blocks)
         to_finish: list[str] = []
         streams, text, stopped = self._streams, self._text, self._stopped
         for o in msg.outputs:

@@ -111,11 +111,12 @@ class EngineCore:
             outputs += [seq_output(o) for o in engine.step()]
             if engine.stats.num_steps != steps:
                 stats = engine.stats.recent[-1]
-        sched = engine.scheduler
+        sched, bm = engine.scheduler, engine.block_manager
         return StepOutputs(outputs=outputs, stats=stats, num_waiting=sched.num_waiting,
-                           num_running=sched.num_running,
-                           kv_blocks_used=engine.block_manager.num_used_blocks,
-                           num_added=self.num_added)
+                           num_running=sched.num_running, kv_blocks_used=bm.num_used_blocks,
+                           num_added=self.num_added, prefix_queries_total=bm.query_tokens,
+                           prefix_hits_total=bm.hit_tokens,
+                           prefix_cached_blocks=bm.num_cached_blocks)
 
 
 def seq_output(out: RequestOutput) -> SeqOutput:

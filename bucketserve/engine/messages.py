@@ -96,6 +96,11 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     num_running: int
     kv_blocks_used: int
     num_added: int  # AddRequests the core has taken in so far (front end: sent - added = pending)
+    # prefix cache (block_manager.py), running totals: prompt tokens looked up, of those found
+    # cached, and blocks held by the cache now
+    prefix_queries_total: int = 0
+    prefix_hits_total: int = 0
+    prefix_cached_blocks: int = 0
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):
