@@ -27,7 +27,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from bucketserve.buckets import BucketsConfig, load_buckets
 from bucketserve.engine.embedding_batcher import (
@@ -39,6 +39,8 @@ from bucketserve.engine.embedding_batcher import (
 from bucketserve.engine.outputs import QueueFullError
 from bucketserve.models.bert_loader import LoadedEmbeddingModel, load_embedding_model
 from bucketserve.server.errors import APIError, invalid_request, overloaded
+from bucketserve.server.generation import ClientGone, until_disconnect
+from bucketserve.server.protocol import check_text
 
 log = logging.getLogger("bucketserve.embeddings")
 
@@ -59,6 +61,11 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
     priority: StrictInt = 0  # lower value runs first, as for generation
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_lone_surrogates(cls, data: Any) -> Any:
+        return check_text(data)
 
 
 class BatcherStatsCollector(Collector):
@@ -150,7 +157,10 @@ class EmbeddingService:
             ctx = getattr(request.app.state, "ctx", None)
             if ctx is not None and ctx.inflight.draining:
                 raise overloaded("the server is shutting down; retry later", "shutting_down")
-            return await self.create(body)
+            try:  # a client gone drops its inputs that are still queued (batcher.embed)
+                return await until_disconnect(request, self.create(body))
+            except ClientGone:
+                return Response(status_code=499)
 
         return router
 

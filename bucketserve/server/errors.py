@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("bucketserve.server")
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait before retrying
+LONE_SURROGATE = "lone_surrogate"  # pydantic error type raised by protocol.check_text
 
 
 class APIError(Exception):
@@ -46,7 +47,15 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ErrorResponse(JSONResponse):
+    """An error body as ASCII JSON: a message that quotes the client's input renders even
+    when that input holds characters UTF-8 cannot encode (lone surrogates)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def error_body(message: str, type: str, param: str | None = None,
@@ -70,6 +79,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request", None
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == LONE_SURROGATE:
+        return first["msg"], first.get("ctx", {}).get("param")
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return f"request body is not valid JSON ({detail})", None
@@ -118,9 +129,50 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # the last resort, for a failure outside UnexpectedErrorMiddleware (which answers
+        # everything raised by the routes)
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
-                                       "internal_server_error", None, 500), status_code=500)
+        return internal_error(exc)
+
+    # The innermost of the user middlewares: added first.
+    app.add_middleware(UnexpectedErrorMiddleware)
+
+
+def internal_error(exc: BaseException) -> JSONResponse:
+    return ErrorResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                    "internal_server_error", None, 500), status_code=500)
+
+
+class UnexpectedErrorMiddleware:
+    """Answers an exception no handler took with a 500 error body, and keeps the connection.
+
+    Starlette's own last-resort handler re-raises after answering, and uvicorn then drops the
+    keep-alive connection without `Connection: close`: the client's next request on it fails.
+    Here the exception ends with its response. If the response had already started (a
+    stream), nothing can be sent: the exception goes on and the connection is closed."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_watched(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_watched)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            await internal_error(exc)(scope, receive, send)
 
 
 class BodySizeLimitMiddleware:
@@ -170,7 +222,7 @@ class BodySizeLimitMiddleware:
         body = error_body(f"request body is at least {size} bytes, over the limit of "
                           f"{self.max_bytes} bytes (--max-body-bytes)",
                           "invalid_request_error", None, "request_too_large")
-        await JSONResponse(body, status_code=413)(scope, _no_receive, send)
+        await ErrorResponse(body, status_code=413)(scope, _no_receive, send)
 
 
 async def _no_receive() -> Message:

@@ -15,9 +15,18 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
-from bucketserve.server.errors import invalid_request
+from bucketserve.server.errors import LONE_SURROGATE, invalid_request
 
 MAX_N = 128  # choices per request; more is almost surely a client bug
 MAX_LOGPROBS = 20  # the engine's sampler returns at most 20 alternatives
@@ -39,6 +48,38 @@ def now() -> int:
     return int(time.time())
 
 
+def find_lone_surrogate(value: Any, where: str = "") -> str | None:
+    """Where in a parsed JSON body a string holds a lone UTF-16 surrogate ("\\ud800" escaped
+    in JSON: valid JSON, but no Unicode text, so neither a tokenizer nor UTF-8 takes it);
+    None if nowhere. Iterative, so a deeply nested body cannot exhaust the stack."""
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+        elif isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+    return None
+
+
+def check_text(data: Any) -> Any:
+    """A pydantic before-validator of a whole request: refuses lone surrogates anywhere."""
+    where = find_lone_surrogate(data)
+    if where is not None:
+        param = where.split(".")[0].split("[")[0]
+        raise PydanticCustomError(
+            LONE_SURROGATE, "{where} holds a lone UTF-16 surrogate (such as \\ud800), which is "
+            "not valid Unicode text; send well-formed UTF-8 / paired surrogates",
+            {"where": where, "param": param})
+    return data
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -49,6 +90,11 @@ class StreamOptions(_Request):
 
 class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_lone_surrogates(cls, data: Any) -> Any:
+        return check_text(data)
 
     model: str | None = None  # None: the served model
     max_tokens: Int | None = Field(default=None, ge=1)
