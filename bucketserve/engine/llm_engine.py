@@ -64,6 +64,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.tokenizer.eos_token_ids,
             policy=buckets.policy,
+            max_prefill_tokens=buckets.prefill_chunk_tokens(self.device.type),
         )
         sampler = Sampler(self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
