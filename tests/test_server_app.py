@@ -185,6 +185,52 @@ def test_api_key_guards_v1_routes_only(engine) -> None:
         assert c.get("/metrics").status_code == 200
 
 
+def test_api_key_guards_the_schema_and_refuses_two_authorization_headers(engine) -> None:
+    app = create_app(ServerContext(engine), api_key="sekret")
+    good = ("Authorization", "Bearer sekret")
+    with TestClient(app) as c:
+        assert_error(c.get("/openapi.json"), 401)
+        assert c.get("/openapi.json", headers=[good]).status_code == 200
+        for second in (good, ("Authorization", "Bearer wrong")):
+            for headers in ([good, second], [second, good]):
+                err = assert_error(c.get("/v1/models", headers=headers), 401)
+                assert "exactly one" in err["message"]
+        assert c.get("/v1/models", headers=[good]).status_code == 200
+
+
+def test_api_key_middleware_compares_in_constant_time(monkeypatch, engine) -> None:
+    import bucketserve.server.app as app_module
+
+    seen = []
+    real = app_module.hmac.compare_digest
+
+    def spy(a, b):
+        seen.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    with TestClient(create_app(ServerContext(engine), api_key="sekret")) as c:
+        c.get("/v1/models", headers={"Authorization": "Bearer nope"})
+    assert seen == [(b"Bearer nope", b"Bearer sekret")]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}),
+    ("/v1/completions", {"prompt": "a", "n": 5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 5}),
+])
+def test_more_sequences_than_the_queue_holds_is_a_400_not_a_503(path, body) -> None:
+    engine = ScriptedEngine(max_waiting=4)
+    with TestClient(create_app(ServerContext(engine))) as c:
+        err = assert_error(c.post(path, json=body), 400)
+        assert err["code"] == "too_many_sequences" and "max_waiting = 4" in err["message"]
+        assert engine.started == []  # refused before anything was queued
+        body = {**body, "n": 1}
+        if isinstance(body.get("prompt"), list):
+            body["prompt"] = body["prompt"][:2]
+        assert c.post(path, json={**body, "max_tokens": 2}).status_code == 200
+
+
 def test_health_is_503_when_the_engine_loop_is_not_running(engine) -> None:
     with TestClient(create_app(ServerContext(engine))) as c:
         assert c.get("/health").status_code == 200
@@ -194,7 +240,8 @@ def test_health_is_503_when_the_engine_loop_is_not_running(engine) -> None:
 
 
 def test_queue_full_is_503_with_retry_after() -> None:
-    engine = ScriptedEngine(max_waiting=0)
+    engine = ScriptedEngine(max_waiting=1)
+    engine.started.append("another request, still waiting")
     with TestClient(create_app(ServerContext(engine))) as c:
         for stream in (False, True):
             resp = c.post("/v1/completions", json={"prompt": "hi", "stream": stream})

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
@@ -49,17 +49,26 @@ class AddOn(Protocol):
 
 
 class ApiKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer <key>` when a key is configured."""
+    """Every /v1 route and the API schema need `Authorization: Bearer <key>` when a key is
+    configured. The key is compared in constant time; a request with more than one
+    Authorization header is refused (which one counts would depend on the proxy in front)."""
+
+    PROTECTED_PATHS = ("/openapi.json", "/docs", "/redoc")
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
+    def protects(self, path: str) -> bool:
+        return path.startswith("/v1") or path.startswith(self.PROTECTED_PATHS)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope.get("headers", [])).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+        if scope["type"] == "http" and self.protects(scope["path"]):
+            given = [v for k, v in scope.get("headers", []) if k == b"authorization"]
+            if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
+                why = ("send exactly one Authorization header" if len(given) > 1
+                       else "send 'Authorization: Bearer <key>'")
+                err = APIError(401, f"missing or wrong API key: {why}",
                                "authentication_error", None, "invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})
                 await err.response()(scope, receive, send)

@@ -9,7 +9,7 @@ from starlette.responses import Response
 
 from bucketserve.server.context import ServerContext, chat_logprobs
 from bucketserve.server.generation import ClientGone, collect_choices, run_choices, until_disconnect
-from bucketserve.server.prompts import chat_jobs, chat_prompt
+from bucketserve.server.prompts import chat_jobs, chat_prompt, check_queue_room
 from bucketserve.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -28,6 +28,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request,
     req.check()
     ctx.check_model(req.model)
     prompt = chat_prompt(req, ctx.tokenizer)
+    check_queue_room(1, req.n, ctx.engine.max_waiting)
     jobs = chat_jobs(req, prompt, ctx.max_model_len, ctx.pool_tokens)
     request_id = new_id("chatcmpl")
     outputs = run_choices(ctx.engine, jobs, request_id, req.priority, ctx.inflight, ctx.metrics)

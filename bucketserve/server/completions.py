@@ -9,7 +9,12 @@ from starlette.responses import Response
 
 from bucketserve.server.context import ServerContext, completion_logprobs
 from bucketserve.server.generation import ClientGone, collect_choices, run_choices, until_disconnect
-from bucketserve.server.prompts import Prompt, completion_jobs, completion_prompts
+from bucketserve.server.prompts import (
+    Prompt,
+    check_queue_room,
+    completion_jobs,
+    completion_prompts,
+)
 from bucketserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -26,6 +31,7 @@ async def create_completion(req: CompletionRequest, request: Request, ctx: Serve
     req.check()
     ctx.check_model(req.model)
     prompts = completion_prompts(req, ctx.tokenizer)
+    check_queue_room(len(prompts), req.n, ctx.engine.max_waiting)
     jobs = completion_jobs(req, prompts, ctx.max_model_len)
     request_id = new_id("cmpl")
     outputs = run_choices(ctx.engine, jobs, request_id, req.priority, ctx.inflight, ctx.metrics)

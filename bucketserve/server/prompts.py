@@ -110,6 +110,18 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
         raise invalid_request(str(exc), exc.param) from exc
 
 
+def check_queue_room(num_prompts: int, n: int, max_waiting: int) -> None:
+    """A request of more engine requests (prompts x n) than the queue can ever hold would get
+    503 + Retry-After forever: refuse it as the client error it is."""
+    if num_prompts * n > max_waiting:
+        what = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+        raise invalid_request(
+            f"this request asks for {num_prompts * n} sequences ({what}), more than the "
+            f"server can ever queue at once (scheduler.max_waiting = {max_waiting}); send "
+            "fewer prompts or a smaller n per request", "n" if num_prompts == 1 else "prompt",
+            "too_many_sequences")
+
+
 def completion_jobs(req: CompletionRequest, prompts: list[Prompt], max_model_len: int) -> list[Job]:
     """n jobs per prompt, prompt-major: job index = prompt index * n + choice."""
     max_tokens = req.max_tokens if req.max_tokens is not None else 16
