@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -34,6 +34,7 @@ log = logging.getLogger("bucketserve.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 ENGINE_STOP_S = 5.0  # what engine.shutdown gets once the HTTP side has drained
+WATCH_S = 0.5  # how often the watchdog checks that the engine loop still runs
 
 
 class AddOn(Protocol):
@@ -87,9 +88,30 @@ def begin_drain(ctx: ServerContext) -> None:
     asyncio.get_running_loop().call_later(ctx.shutdown_timeout_s, ctx.inflight.abort_all, ctx.engine)
 
 
+async def watch_engine(ctx: ServerContext, add_ons: list[AddOn],
+                       on_dead: Callable[[], None]) -> None:
+    """Calls `on_dead` once when the engine loop (or an add-on's worker) has stopped by itself:
+    a part that failed for good. The server then exits non-zero instead of staying up with
+    /health at 503 (a supervisor restarts it)."""
+    while True:
+        await asyncio.sleep(WATCH_S)
+        if not ctx.inflight.draining and not parts_alive(ctx, add_ons):
+            log.critical("the engine stopped by itself: failing the requests in flight and "
+                         "shutting down (exit status 1)")
+            on_dead()
+            return
+
+
+def parts_alive(ctx: ServerContext, add_ons: list[AddOn]) -> bool:
+    return ctx.engine.is_alive() and all(getattr(a, "is_alive", lambda: True)() for a in add_ons)
+
+
 def create_app(ctx: ServerContext, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               add_ons: list[AddOn] | None = None) -> FastAPI:
+               add_ons: list[AddOn] | None = None,
+               on_engine_dead: Callable[[], None] | None = None) -> FastAPI:
+    """`on_engine_dead`: called if the engine stops by itself (cli.py makes the process exit
+    non-zero); None only logs it (in-process tests)."""
     add_ons = add_ons or []
 
     @asynccontextmanager
@@ -98,7 +120,12 @@ def create_app(ctx: ServerContext, api_key: str | None = None,
             ctx.engine.start()
         for add_on in add_ons:
             await add_on.start()
+        watchdog = None
+        if on_engine_dead is not None:
+            watchdog = asyncio.create_task(watch_engine(ctx, add_ons, on_engine_dead))
         yield
+        if watchdog is not None:
+            watchdog.cancel()
         for add_on in add_ons:
             await add_on.shutdown(ENGINE_STOP_S)
         await ctx.engine.shutdown(ENGINE_STOP_S)
@@ -117,7 +144,7 @@ def create_app(ctx: ServerContext, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if ctx.engine.is_alive() and not ctx.inflight.draining:
+        if parts_alive(ctx, add_ons) and not ctx.inflight.draining:
             return JSONResponse({"status": "ok"})
         state = "draining" if ctx.inflight.draining else "engine loop not running"
         return JSONResponse({"status": state}, status_code=503)

@@ -127,7 +127,15 @@ def serve(args: argparse.Namespace) -> int:
         return 2
 
     ctx = ServerContext(engine, shutdown_timeout_s=args.shutdown_timeout)
-    app = create_app(ctx, api_key=args.api_key, max_body_bytes=args.max_body_bytes, add_ons=add_ons)
+    engine_failed = False
+
+    def on_engine_dead() -> None:  # a part broke for good: drain, stop, exit 1
+        nonlocal engine_failed
+        engine_failed = True
+        server.handle_exit(signal.SIGTERM, None)
+
+    app = create_app(ctx, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     add_ons=add_ons, on_engine_dead=on_engine_dead)
     # Our drain (begin_drain) decides when streams end; sse-starlette must not cut them first.
     AppStatus.disable_automatic_graceful_drain()
 
@@ -144,7 +152,11 @@ def serve(args: argparse.Namespace) -> int:
     # so that a graceful stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _ignore)
-    Server(config).run()
+    server = Server(config)
+    server.run()
+    if engine_failed:
+        log.error("exiting with status 1: the engine stopped by itself")
+        return 1
     log.info("bye")
     return 0
 

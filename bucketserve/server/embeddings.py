@@ -34,8 +34,10 @@ from bucketserve.engine.embedding_batcher import (
     QUEUE_DELAY_BUCKETS,
     BatcherStoppedError,
     EmbeddingBatcher,
+    EncoderError,
     QueueTimeoutError,
 )
+from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.outputs import QueueFullError
 from bucketserve.models.bert_loader import LoadedEmbeddingModel, load_embedding_model
 from bucketserve.server.errors import APIError, invalid_request, overloaded
@@ -126,7 +128,11 @@ class EmbeddingService:
         self.model_name = loaded.name
         device = next(loaded.model.parameters()).device
 
+        faults = FaultPlan.from_env()  # test-only hook (engine/faults.py); None normally
+
         def encode(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            if faults is not None:
+                faults.fire("encode", input_ids[:, 0].tolist())
             return loaded.model(input_ids.to(device), mask.to(device))
 
         self.batcher = EmbeddingBatcher.from_config(
@@ -175,6 +181,8 @@ class EmbeddingService:
             raise overloaded(str(exc), "queue_timeout") from exc
         except BatcherStoppedError as exc:
             raise overloaded(str(exc), "shutting_down") from exc
+        except EncoderError as exc:
+            raise APIError(500, str(exc), "server_error", None, "encoder_error") from exc
         used = sum(len(ids) for ids in token_ids)
         args = (vectors, body.encoding_format, self.model_name, used)
         if len(vectors) <= _INLINE_RENDER_MAX:
