@@ -30,6 +30,7 @@ class ByteTokenizer:
     """One token per UTF-8 byte; enough to exercise the server's text handling."""
 
     vocab_size = 256
+    max_token_bytes = 1
     bos_token_id = None
     eos_token_ids = {0}
 
@@ -134,6 +135,16 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = None) ->
     ({"prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "stop": ["x" * 513]}, "stop"),
+    ({"prompt": "hi", "stop": ["a"] * 17}, "stop"),
+    ({"prompt": "hi", "stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({"prompt": "hi", "priority": 2**63}, "priority"),
+    ({"prompt": "hi", "top_k": 2**31}, "top_k"),
+    ({"prompt": "hi", "min_tokens": 2**31}, "min_tokens"),
+    ({"prompt": "hi", "n": 129}, "n"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
 ])
 def test_bad_completion_requests_get_400_and_an_openai_error_body(client, body, param) -> None:
     assert_error(client.post("/v1/completions", json=body), 400, param)
@@ -158,6 +169,28 @@ def test_malformed_json_wrong_shape_unknown_route_and_model(client) -> None:
     err = assert_error(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404,
                        "model")
     assert err["code"] == "model_not_found"
+
+
+def test_headers_over_the_limit_are_431(client) -> None:
+    err = assert_error(client.get("/v1/models", headers={"x-big": "a" * 40_000}), 431)
+    assert err["code"] == "headers_too_large"
+    many = [(f"x-h{i}", "v" * 20) for i in range(2000)]
+    assert_error(client.post("/v1/completions", json={"prompt": "hi"}, headers=many), 431)
+    assert client.get("/v1/models", headers={"x-fine": "a" * 1000}).status_code == 200
+
+
+def test_a_text_that_cannot_fit_the_context_is_refused_before_tokenizing(client, engine) -> None:
+    calls = []
+    real = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda *a, **k: calls.append(1) or real(*a, **k)
+    # one byte per token: more characters than the 128-token context cannot fit
+    err = assert_error(client.post("/v1/completions", json={"prompt": "x" * 129}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded" and "129 characters" in err["message"]
+    err = assert_error(client.post("/v1/chat/completions",
+                                   json={"messages": [{"role": "user", "content": "x" * 200}]}),
+                       400, "messages")
+    assert err["code"] == "context_length_exceeded"
+    assert calls == []
 
 
 def test_body_over_the_limit_is_413_with_and_without_content_length(client) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.requests import Request
@@ -14,6 +15,7 @@ from bucketserve.server.prompts import (
     check_queue_room,
     completion_jobs,
     completion_prompts,
+    is_long_text,
 )
 from bucketserve.server.protocol import (
     CompletionChoice,
@@ -30,7 +32,10 @@ from bucketserve.server.streaming import stream_response
 async def create_completion(req: CompletionRequest, request: Request, ctx: ServerContext) -> Any:
     req.check()
     ctx.check_model(req.model)
-    prompts = completion_prompts(req, ctx.tokenizer)
+    if is_long_text(req):  # keep the event loop serving others meanwhile
+        prompts = await asyncio.to_thread(completion_prompts, req, ctx.tokenizer, ctx.max_model_len)
+    else:
+        prompts = completion_prompts(req, ctx.tokenizer, ctx.max_model_len)
     check_queue_room(len(prompts), req.n, ctx.engine.max_waiting)
     jobs = completion_jobs(req, prompts, ctx.max_model_len)
     request_id = new_id("cmpl")

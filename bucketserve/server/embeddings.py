@@ -62,7 +62,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: StrictInt | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
-    priority: StrictInt = 0  # lower value runs first, as for generation
+    priority: Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)] = 0  # lower runs first
 
     @model_validator(mode="before")
     @classmethod

@@ -175,20 +175,33 @@ class UnexpectedErrorMiddleware:
             await internal_error(exc)(scope, receive, send)
 
 
+MAX_HEADER_BYTES = 32 * 1024  # names + values of all request headers together
+
+
 class BodySizeLimitMiddleware:
-    """Answers 413 to any request whose body is over `max_bytes`.
+    """Answers 413 to any request whose body is over `max_bytes`, 431 to one whose headers
+    together are over `max_header_bytes`.
 
     Checks Content-Length up front, then reads the body itself (counting bytes, so chunked
     bodies without the header are caught too) and replays it to the app in one message.
     Later receive() calls go straight through, so disconnect detection still works."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 max_header_bytes: int = MAX_HEADER_BYTES) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers", []))
+        if header_bytes > self.max_header_bytes:
+            body = error_body(f"the request headers hold {header_bytes} bytes, over the limit "
+                              f"of {self.max_header_bytes} bytes", "invalid_request_error",
+                              None, "headers_too_large")
+            await ErrorResponse(body, status_code=431)(scope, _no_receive, send)
             return
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:

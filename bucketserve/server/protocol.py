@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -31,7 +31,10 @@ from bucketserve.server.errors import LONE_SURROGATE, invalid_request
 MAX_N = 128  # choices per request; more is almost surely a client bug
 MAX_LOGPROBS = 20  # the engine's sampler returns at most 20 alternatives
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512  # per stop string: the stream holds back up to this much text
+MAX_STOP_TOKEN_IDS = 64
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as torch.Generator.manual_seed takes
+INT32_MAX = 2**31 - 1  # bound of integer fields that have no natural one (top_k, min_tokens)
 
 # Strict scalars: "5", 5.0 or true are type errors for an integer field, as in OpenAI's API
 # (a float field still takes an integer).
@@ -110,14 +113,15 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extensions
-    top_k: Int = Field(default=-1, ge=-1)
+    top_k: Int = Field(default=-1, ge=-1, le=INT32_MAX)
     min_p: Float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: Float = Field(default=1.0, gt=0.0, le=2.0)
-    min_tokens: Int = Field(default=0, ge=0)
+    min_tokens: Int = Field(default=0, ge=0, le=INT32_MAX)
     ignore_eos: Bool = False
-    stop_token_ids: list[Int] | None = None
+    stop_token_ids: list[Annotated[Int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: Bool = True
-    priority: Int = 0  # lower value is admitted first
+    priority: Int = Field(default=0, ge=SEED_MIN, le=SEED_MAX)  # lower value is admitted first
 
     def check(self) -> None:
         """Cross-field rules; raises APIError(400) naming the field."""
@@ -126,6 +130,9 @@ class SamplingFields(_Request):
                                   "stream_options")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise invalid_request(f"stop accepts at most {MAX_STOP_STRINGS} strings", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop_list):
+            raise invalid_request(f"a stop string may have at most {MAX_STOP_CHARS} characters",
+                                  "stop")
         if self.logit_bias:
             raise invalid_request("logit_bias is not supported by this server; remove it",
                                   "logit_bias")
