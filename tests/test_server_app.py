@@ -330,3 +330,26 @@ def test_closing_the_merged_stream_aborts_unfinished_choices(engine) -> None:
 
     asyncio.run(scenario())
     assert sorted(engine.aborted) == ["req-0", "req-1", "req-2"]
+
+
+def test_a_consumer_that_stops_taking_outputs_gets_its_requests_aborted(engine) -> None:
+    """A client that stops reading its stream blocks the sender; the outputs held for it are
+    bounded: past the limit its engine requests are aborted and the stream ends in an error."""
+    from bucketserve.server.errors import APIError
+
+    async def scenario() -> None:
+        jobs = [Job([1, 2], SamplingParams(max_tokens=40)) for _ in range(2)]
+        stats = EngineStats()
+        outputs = run_choices(engine, jobs, "slow", 0, InFlight(), ServerMetrics(lambda: stats),
+                              max_buffered_per_choice=3)
+        await anext(outputs)
+        await asyncio.sleep(0.2)  # the consumer stalls while the engine produces
+        assert set(engine.aborted) == {"slow-0", "slow-1"}
+        taken = 1
+        with pytest.raises(APIError) as err:
+            async for _ in outputs:
+                taken += 1
+        assert err.value.status == 408 and err.value.code == "client_too_slow"
+        assert taken <= 1 + 2 * 3 + 2  # the limit, plus at most one more per choice
+
+    asyncio.run(scenario())

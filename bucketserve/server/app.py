@@ -18,6 +18,7 @@ from bucketserve.server.chat import create_chat_completion
 from bucketserve.server.completions import create_completion
 from bucketserve.server.context import ServerContext
 from bucketserve.server.errors import (
+    DEFAULT_BODY_TIMEOUT_S,
     APIError,
     BodySizeLimitMiddleware,
     install_exception_handlers,
@@ -109,7 +110,8 @@ def parts_alive(ctx: ServerContext, add_ons: list[AddOn]) -> bool:
 def create_app(ctx: ServerContext, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                add_ons: list[AddOn] | None = None,
-               on_engine_dead: Callable[[], None] | None = None) -> FastAPI:
+               on_engine_dead: Callable[[], None] | None = None,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """`on_engine_dead`: called if the engine stops by itself (cli.py makes the process exit
     non-zero); None only logs it (in-process tests)."""
     add_ons = add_ons or []
@@ -134,7 +136,8 @@ def create_app(ctx: ServerContext, api_key: str | None = None,
     app = FastAPI(title="bucketserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     install_exception_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes,
+                       body_timeout_s=body_timeout_s)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 

@@ -18,6 +18,7 @@ import time
 from types import FrameType
 
 from bucketserve.server.app import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     ENGINE_STOP_S,
     AddOn,
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(falls back to $BUCKETSERVE_API_KEY)")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies are refused with 413")
+    s.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds a client gets to send its whole request body (else 408)")
     s.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -135,7 +138,8 @@ def serve(args: argparse.Namespace) -> int:
         server.handle_exit(signal.SIGTERM, None)
 
     app = create_app(ctx, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     add_ons=add_ons, on_engine_dead=on_engine_dead)
+                     add_ons=add_ons, on_engine_dead=on_engine_dead,
+                     body_timeout_s=args.body_timeout)
     # Our drain (begin_drain) decides when streams end; sse-starlette must not cut them first.
     AppStatus.disable_automatic_graceful_drain()
 

@@ -7,6 +7,7 @@ anything unexpected is logged with its traceback and answered 500, the server ke
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -176,6 +177,7 @@ class UnexpectedErrorMiddleware:
 
 
 MAX_HEADER_BYTES = 32 * 1024  # names + values of all request headers together
+DEFAULT_BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this time
 
 
 class BodySizeLimitMiddleware:
@@ -187,10 +189,12 @@ class BodySizeLimitMiddleware:
     Later receive() calls go straight through, so disconnect detection still works."""
 
     def __init__(self, app: ASGIApp, max_bytes: int,
-                 max_header_bytes: int = MAX_HEADER_BYTES) -> None:
+                 max_header_bytes: int = MAX_HEADER_BYTES,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.max_header_bytes = max_header_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -209,8 +213,14 @@ class BodySizeLimitMiddleware:
                 return
 
         body = bytearray()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:  # a client sending its body slowly, or not at all
+                await self._reject_slow(scope, send, len(body))
+                return
             if message["type"] != "http.request":  # the client left before sending it all
                 return
             body += message.get("body", b"")
@@ -230,6 +240,13 @@ class BodySizeLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay_receive, send)
+
+    async def _reject_slow(self, scope: Scope, send: Send, size: int) -> None:
+        body = error_body(f"the request body did not arrive within {self.body_timeout_s:g} s "
+                          f"({size} bytes received); send it at once", "invalid_request_error",
+                          None, "body_timeout")
+        await ErrorResponse(body, status_code=408, headers={"Connection": "close"})(
+            scope, _no_receive, send)
 
     async def _reject(self, scope: Scope, send: Send, size: int) -> None:
         body = error_body(f"request body is at least {size} bytes, over the limit of "
