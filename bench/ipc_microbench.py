@@ -89,8 +89,8 @@ def main() -> int:
             for name, (encode, decode) in codecs().items():
                 data = encode(msg)
                 row[name] = {"bytes": len(data),
-                             "encode_decode_us": round(per_call_us(lambda e=encode, d=decode:
-                                                                   d(e(msg)), args.reps), 1)}
+                             "encode_decode_us": round(per_call_us(lambda e=encode, d=decode, m=msg:
+                                                                   d(e(m)), args.reps), 1)}
             enc, _ = output_codec()
             row["zmq_ipc_transfer_us"] = round(zmq_transfer_us(enc.encode(msg), args.reps), 1)
             rows.append(row)

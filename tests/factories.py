@@ -14,11 +14,12 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_running: int =
                    max_batched_tokens: int = 64, max_model_len: int = 1024,
                    policy: str = "priority",
                    boundaries: tuple[int, ...] = (8, 16, 32, 64),
-                   prefix_caching: bool = False) -> Scheduler:
+                   prefix_caching: bool = False,
+                   max_prefill_tokens: int | None = None) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, block_size, enable_caching=prefix_caching),
                      BucketSpec(boundaries),
                      BucketSpec((1, 2, 4, 8)), max_running, max_batched_tokens, max_model_len,
-                     eos_token_ids={EOS}, policy=policy)
+                     eos_token_ids={EOS}, policy=policy, max_prefill_tokens=max_prefill_tokens)
 
 
 def make_requests(n: int, prompt_len: int = 8, max_tokens: int = 4, priority: int = 0,

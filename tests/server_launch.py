@@ -86,13 +86,15 @@ class LiveServer:
         return self.proc.returncode
 
 
-def start_server(workdir: Path, name: str, buckets_toml: str, *extra_args: str) -> LiveServer:
+def start_server(workdir: Path, name: str, buckets_toml: str, *extra_args: str,
+                 env: dict[str, str] | None = None) -> LiveServer:
+    """`env`: extra environment variables for the server process."""
     workdir.mkdir(parents=True, exist_ok=True)
     buckets = workdir / f"{name}.toml"
     buckets.write_text(buckets_toml)
     log_path = workdir / f"{name}.log"
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
     args = [*command(), "serve", "--host", "127.0.0.1", "--port", str(port),
             "--buckets", str(buckets), "--embedding-model", "none", *extra_args]
     with open(log_path, "wb") as log:

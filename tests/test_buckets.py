@@ -29,7 +29,8 @@ DOCUMENTED_DEFAULTS = {
     "prefill": {"boundaries": [16, 32, 64, 128, 256, 512, 1024, 2048]},
     "decode": {"batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]},
     "scheduler": {"max_running": 256, "max_batched_tokens": "auto", "max_waiting": 1024,
-                  "queue_timeout_s": 600.0, "policy": "priority"},
+                  "queue_timeout_s": 600.0, "policy": "priority",
+                  "max_prefill_share": 0.25},
     "kv_cache": {"block_size": 16, "cpu_memory_gib": 2.0, "gpu_memory_fraction": 0.9,
                  "prefix_caching": True},
     "embedding": {"boundaries": [*range(8, 257, 8), 320, 384, 448, 512], "preferred_batch_size": 32,
@@ -479,7 +480,7 @@ def test_padding_counter() -> None:
 
 def test_buckets_config_fields() -> None:
     names = [f.name for f in dataclasses.fields(BucketsConfig)]
-    assert names[:12] == ["prefill_boundaries", "decode_batch_sizes", "max_running",
+    assert names[:13] == ["prefill_boundaries", "decode_batch_sizes", "max_running",
                           "max_batched_tokens", "max_waiting", "queue_timeout_s", "policy",
-                          "block_size", "cpu_memory_gib", "gpu_memory_fraction", "prefix_caching",
-                          "embedding"]
+                          "max_prefill_share", "block_size", "cpu_memory_gib",
+                          "gpu_memory_fraction", "prefix_caching", "embedding"]

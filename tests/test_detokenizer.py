@@ -248,3 +248,14 @@ def test_byte_level_random_ids_equal_full_decode(smollm2_tok, skip):
         got = "".join(byte_level_stream(smollm2_tok, ids, chunk, skip))
         assert got == smollm2_tok.decode(ids, skip_special_tokens=skip), (trial, ids)
 
+
+
+def test_long_texts_encode_the_same_and_max_token_bytes_bounds_the_count(smollm2_tok):
+    text = ("Ünïcode, code    and numbers 12345.\n" * 800) + "#" * 300
+    assert len(text) > 16384  # the GIL-releasing batch path
+    ids = smollm2_tok.encode(text)
+    assert ids == smollm2_tok.backend.encode(text).ids
+    per = smollm2_tok.max_token_bytes
+    assert per == max(len(smollm2_tok.token_bytes(i)) for i in range(smollm2_tok.vocab_size))
+    for sample in (text, " " * 5000, "#" * 5000, "\n" + " " * 80):
+        assert len(smollm2_tok.encode(sample)) >= len(sample.encode()) / per

@@ -114,3 +114,39 @@ def test_eos_stops_only_after_min_tokens_and_not_with_ignore_eos():
     run_to_end(sched, token=2)  # the fake model always says EOS
     assert a.finish_reason is FinishReason.STOP and a.num_output_tokens == 3
     assert b.finish_reason is FinishReason.LENGTH and b.num_output_tokens == 4
+
+
+def _prefill_long_then_arrive(max_prefill_tokens: int | None) -> tuple[list, object, object]:
+    """An 8,000-token prompt starts its prefill alone; a 1-token request arrives after the
+    first step. Returns the batches run until the short one got its first token."""
+    sched = make_scheduler(num_blocks=600, block_size=16, max_running=8, max_batched_tokens=2048,
+                           max_model_len=8192, boundaries=(16, 512, 2048),
+                           max_prefill_tokens=max_prefill_tokens)
+    (long,) = make_requests(1, prompt_len=8000, max_tokens=2)
+    (short,) = make_requests(1, prompt_len=1, max_tokens=1)
+    sched.add(long)
+    batches = [sched.schedule()]
+    sched.update(batches[0], [None])
+    sched.add(short)
+    while short.num_output_tokens == 0:
+        batch = sched.schedule()
+        batches.append(batch)
+        sched.update(batch, [7 if s.num_computed_tokens + n == s.num_tokens else None
+                             for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)])
+    return batches, long, short
+
+
+def test_short_request_is_admitted_next_step_while_a_long_prompt_prefills():
+    batches, long, short = _prefill_long_then_arrive(max_prefill_tokens=512)
+    assert batches[0].num_new_tokens == [512]  # the long prompt never takes the whole step
+    # the step right after its arrival runs the short request, next to the long prompt's chunk
+    assert batches[1].seqs == [short, long] and batches[1].num_new_tokens == [1, 512]
+    assert short.num_output_tokens == 1 and long.num_computed_tokens == 1024
+
+
+def test_without_the_chunk_limit_one_long_prompt_holds_every_step():
+    """The behaviour the limit fixes: the short request waits out the whole prefill."""
+    batches, long, short = _prefill_long_then_arrive(max_prefill_tokens=None)
+    # admitted only into the last chunk's leftover room, three whole steps after it arrived
+    assert [b.num_new_tokens for b in batches] == [[2048], [2048], [2048], [1, 1856]]
+    assert batches[3].seqs[0] is short

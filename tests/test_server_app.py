@@ -30,6 +30,7 @@ class ByteTokenizer:
     """One token per UTF-8 byte; enough to exercise the server's text handling."""
 
     vocab_size = 256
+    max_token_bytes = 1
     bos_token_id = None
     eos_token_ids = {0}
 
@@ -134,6 +135,16 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = None) ->
     ({"prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "stop": ["x" * 513]}, "stop"),
+    ({"prompt": "hi", "stop": ["a"] * 17}, "stop"),
+    ({"prompt": "hi", "stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({"prompt": "hi", "priority": 2**63}, "priority"),
+    ({"prompt": "hi", "top_k": 2**31}, "top_k"),
+    ({"prompt": "hi", "min_tokens": 2**31}, "min_tokens"),
+    ({"prompt": "hi", "n": 129}, "n"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
 ])
 def test_bad_completion_requests_get_400_and_an_openai_error_body(client, body, param) -> None:
     assert_error(client.post("/v1/completions", json=body), 400, param)
@@ -158,6 +169,28 @@ def test_malformed_json_wrong_shape_unknown_route_and_model(client) -> None:
     err = assert_error(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404,
                        "model")
     assert err["code"] == "model_not_found"
+
+
+def test_headers_over_the_limit_are_431(client) -> None:
+    err = assert_error(client.get("/v1/models", headers={"x-big": "a" * 40_000}), 431)
+    assert err["code"] == "headers_too_large"
+    many = [(f"x-h{i}", "v" * 20) for i in range(2000)]
+    assert_error(client.post("/v1/completions", json={"prompt": "hi"}, headers=many), 431)
+    assert client.get("/v1/models", headers={"x-fine": "a" * 1000}).status_code == 200
+
+
+def test_a_text_that_cannot_fit_the_context_is_refused_before_tokenizing(client, engine) -> None:
+    calls = []
+    real = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda *a, **k: calls.append(1) or real(*a, **k)
+    # one byte per token: more characters than the 128-token context cannot fit
+    err = assert_error(client.post("/v1/completions", json={"prompt": "x" * 129}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded" and "129 characters" in err["message"]
+    err = assert_error(client.post("/v1/chat/completions",
+                                   json={"messages": [{"role": "user", "content": "x" * 200}]}),
+                       400, "messages")
+    assert err["code"] == "context_length_exceeded"
+    assert calls == []
 
 
 def test_body_over_the_limit_is_413_with_and_without_content_length(client) -> None:
@@ -185,6 +218,52 @@ def test_api_key_guards_v1_routes_only(engine) -> None:
         assert c.get("/metrics").status_code == 200
 
 
+def test_api_key_guards_the_schema_and_refuses_two_authorization_headers(engine) -> None:
+    app = create_app(ServerContext(engine), api_key="sekret")
+    good = ("Authorization", "Bearer sekret")
+    with TestClient(app) as c:
+        assert_error(c.get("/openapi.json"), 401)
+        assert c.get("/openapi.json", headers=[good]).status_code == 200
+        for second in (good, ("Authorization", "Bearer wrong")):
+            for headers in ([good, second], [second, good]):
+                err = assert_error(c.get("/v1/models", headers=headers), 401)
+                assert "exactly one" in err["message"]
+        assert c.get("/v1/models", headers=[good]).status_code == 200
+
+
+def test_api_key_middleware_compares_in_constant_time(monkeypatch, engine) -> None:
+    import bucketserve.server.app as app_module
+
+    seen = []
+    real = app_module.hmac.compare_digest
+
+    def spy(a, b):
+        seen.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    with TestClient(create_app(ServerContext(engine), api_key="sekret")) as c:
+        c.get("/v1/models", headers={"Authorization": "Bearer nope"})
+    assert seen == [(b"Bearer nope", b"Bearer sekret")]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}),
+    ("/v1/completions", {"prompt": "a", "n": 5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 5}),
+])
+def test_more_sequences_than_the_queue_holds_is_a_400_not_a_503(path, body) -> None:
+    engine = ScriptedEngine(max_waiting=4)
+    with TestClient(create_app(ServerContext(engine))) as c:
+        err = assert_error(c.post(path, json=body), 400)
+        assert err["code"] == "too_many_sequences" and "max_waiting = 4" in err["message"]
+        assert engine.started == []  # refused before anything was queued
+        body = {**body, "n": 1}
+        if isinstance(body.get("prompt"), list):
+            body["prompt"] = body["prompt"][:2]
+        assert c.post(path, json={**body, "max_tokens": 2}).status_code == 200
+
+
 def test_health_is_503_when_the_engine_loop_is_not_running(engine) -> None:
     with TestClient(create_app(ServerContext(engine))) as c:
         assert c.get("/health").status_code == 200
@@ -194,7 +273,8 @@ def test_health_is_503_when_the_engine_loop_is_not_running(engine) -> None:
 
 
 def test_queue_full_is_503_with_retry_after() -> None:
-    engine = ScriptedEngine(max_waiting=0)
+    engine = ScriptedEngine(max_waiting=1)
+    engine.started.append("another request, still waiting")
     with TestClient(create_app(ServerContext(engine))) as c:
         for stream in (False, True):
             resp = c.post("/v1/completions", json={"prompt": "hi", "stream": stream})
@@ -250,3 +330,26 @@ def test_closing_the_merged_stream_aborts_unfinished_choices(engine) -> None:
 
     asyncio.run(scenario())
     assert sorted(engine.aborted) == ["req-0", "req-1", "req-2"]
+
+
+def test_a_consumer_that_stops_taking_outputs_gets_its_requests_aborted(engine) -> None:
+    """A client that stops reading its stream blocks the sender; the outputs held for it are
+    bounded: past the limit its engine requests are aborted and the stream ends in an error."""
+    from bucketserve.server.errors import APIError
+
+    async def scenario() -> None:
+        jobs = [Job([1, 2], SamplingParams(max_tokens=40)) for _ in range(2)]
+        stats = EngineStats()
+        outputs = run_choices(engine, jobs, "slow", 0, InFlight(), ServerMetrics(lambda: stats),
+                              max_buffered_per_choice=3)
+        await anext(outputs)
+        await asyncio.sleep(0.2)  # the consumer stalls while the engine produces
+        assert set(engine.aborted) == {"slow-0", "slow-1"}
+        taken = 1
+        with pytest.raises(APIError) as err:
+            async for _ in outputs:
+                taken += 1
+        assert err.value.status == 408 and err.value.code == "client_too_slow"
+        assert taken <= 1 + 2 * 3 + 2  # the limit, plus at most one more per choice
+
+    asyncio.run(scenario())

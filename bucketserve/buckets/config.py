@@ -187,6 +187,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
         "max_waiting": (_positive_int, "max_waiting"),
         "queue_timeout_s": (_positive_float, "queue_timeout_s"),
         "policy": (_policy, "policy"),
+        "max_prefill_share": (_fraction, "max_prefill_share"),
     },
     "kv_cache": {
         "block_size": (_positive_int, "block_size"),
@@ -229,6 +230,7 @@ class BucketsConfig:
     max_waiting: int
     queue_timeout_s: float
     policy: str
+    max_prefill_share: float  # most of a step's token budget one sequence's prefill takes
     block_size: int
     cpu_memory_gib: float
     gpu_memory_fraction: float
@@ -245,6 +247,10 @@ class BucketsConfig:
         if self.max_batched_tokens == "auto":
             return AUTO_STEP_TOKENS.get(device_type, AUTO_STEP_TOKENS["cpu"])
         return int(self.max_batched_tokens)
+
+    def prefill_chunk_tokens(self, device_type: str) -> int:
+        """The most prompt tokens one sequence prefills in one step on this device."""
+        return max(1, int(self.step_token_budget(device_type) * self.max_prefill_share))
 
     @property
     def prefill_spec(self) -> BucketSpec:

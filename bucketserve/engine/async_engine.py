@@ -90,6 +90,11 @@ class AsyncEngine:
         return self.limits.max_model_len
 
     @property
+    def max_waiting(self) -> int:
+        """Most engine requests that may wait for admission (scheduler.max_waiting)."""
+        return self.engine.buckets.max_waiting
+
+    @property
     def pool_tokens(self) -> int:
         """Tokens one sequence can hold when it has the whole KV pool to itself."""
         return self.limits.pool_tokens

@@ -55,6 +55,10 @@ class QueueTimeoutError(RuntimeError):
     """An input waited longer than queue_timeout_s; the caller may retry later."""
 
 
+class EncoderError(RuntimeError):
+    """The encoder raised on a batch; every request with an input in it fails with this."""
+
+
 class BatcherStoppedError(RuntimeError):
     """The batcher was shut down before the request finished."""
 
@@ -393,9 +397,11 @@ class EmbeddingBatcher:
             out = self.encode(input_ids, mask)  # [B, D]
         except Exception as exc:  # a model failure fails this batch's requests, not the server
             log.exception("embedding batch of %d x %d failed", B, bucket_len)
+            error = EncoderError(f"the embedding model failed on the batch holding this "
+                                 f"request: {type(exc).__name__}: {exc}")
             with self._cond:
                 for item in items:
-                    self._finish(item.request, exc)
+                    self._finish(item.request, error)
             return
         out = out.cpu()
         self.stats.encoder_s += time.monotonic() - start

@@ -16,6 +16,7 @@ from bucketserve.buckets import BucketsConfig, BucketSpec, load_buckets
 from bucketserve.engine.admission import RequestError, admit
 from bucketserve.engine.admission import validate as validate_request
 from bucketserve.engine.block_manager import BlockManager
+from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.messages import RequestLimits
 from bucketserve.engine.output_processor import OutputProcessor
 from bucketserve.engine.outputs import RequestOutput
@@ -26,6 +27,10 @@ from bucketserve.engine.sequence import FinishReason, SamplingParams, Sequence
 from bucketserve.engine.stats import EngineStats, StepStats
 
 log = logging.getLogger(__name__)
+
+
+# Steps failing one after the other before the engine gives up (a part that stays broken).
+MAX_FAILED_STEPS = 3
 
 
 class LLMEngine:
@@ -62,6 +67,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.tokenizer.eos_token_ids,
             policy=buckets.policy,
+            max_prefill_tokens=buckets.prefill_chunk_tokens(self.device.type),
         )
         sampler = Sampler(self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
@@ -76,6 +82,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self.stats.kv_blocks_total = self.block_manager.num_usable_blocks
         self._seqs: dict[str, Sequence] = {}
+        self.faults = FaultPlan.from_env()  # test-only hook (engine/faults.py); None normally
+        self.num_failed_steps = 0  # in a row
 
     @classmethod
     def from_names(cls, model: str = "smollm2-135m-instruct", buckets_path: str | None = None,
@@ -164,14 +172,32 @@ class LLMEngine:
             self.stats.set_queue(self.scheduler.num_waiting, self.scheduler.num_running,
                                  self.block_manager.num_used_blocks)
             return results
-        out = self.runner.run(batch)
+        try:
+            if self.faults is not None:
+                self.faults.fire("step", (s.token_ids[0] for s in batch.seqs))
+                self.faults.fire("oom", (s.token_ids[0] for s in batch.seqs))
+            out = self.runner.run(batch)
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            return results + self._fail_step(batch, exc)
+        self.num_failed_steps = 0
         self.scheduler.update(batch, out.sampled)
         # after update: it registers the blocks this step computed
         self.stats.set_prefix_cache(bm.query_tokens, bm.hit_tokens, bm.num_cached_blocks)
         for seq, token, lp in zip(batch.seqs, out.sampled, out.logprobs, strict=True):
             if token is None:
                 continue
-            if self.outputs.on_token(seq, token, lp) and not seq.is_finished:
+            try:
+                if self.faults is not None:
+                    self.faults.fire("detok", (seq.token_ids[0],))
+                stop = self.outputs.on_token(seq, token, lp)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                log.exception("output processing failed for %s", seq.request_id)
+                self.scheduler.finish(seq, FinishReason.ERROR)
+                self.outputs.drop_text(seq)
+                results.append(self._finish_output(
+                    seq, f"turning the output into text failed: {type(exc).__name__}: {exc}"))
+                continue
+            if stop and not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.STOP)
             results.append(self._finish_output(seq) if seq.is_finished else self.outputs.output(seq))
         self.stats.record(StepStats(
@@ -184,10 +210,30 @@ class LLMEngine:
             num_running=self.scheduler.num_running, step_time_s=time.perf_counter() - t0))
         return results
 
-    def _finish_output(self, seq: Sequence) -> RequestOutput:
+    def _finish_output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
         self._seqs.pop(seq.request_id, None)
         self.stats.record_finished(seq.finish_reason.value)
-        return self.outputs.output(seq)
+        return self.outputs.output(seq, error)
+
+    def _fail_step(self, batch, exc: Exception) -> list[RequestOutput]:
+        """A step whose model run raised: its sequences end with an error and give their KV
+        blocks back; the engine serves on. After MAX_FAILED_STEPS failures in a row the part
+        is taken as broken and the exception goes on (the engine loop stops)."""
+        self.num_failed_steps += 1
+        log.error("engine step failed (%d in a row) for %d request(s): %s: %s",
+                  self.num_failed_steps, len(batch.seqs), type(exc).__name__, exc,
+                  exc_info=exc)
+        if isinstance(exc, torch.OutOfMemoryError) and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self.num_failed_steps >= MAX_FAILED_STEPS:
+            raise exc
+        message = f"the engine step running this request failed: {type(exc).__name__}: {exc}"
+        outputs = []
+        for seq in batch.seqs:
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            self.outputs.drop_text(seq)
+            outputs.append(self._finish_output(seq, message))
+        return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  priorities: list[int] | None = None) -> list[RequestOutput]:

@@ -81,6 +81,12 @@ class OutputProcessor:
         state.text += state.new_text(token_id)
         return state.stop_matched
 
+    def drop_text(self, seq: Sequence) -> None:
+        """Forgets text held back for a sequence that failed: its final output flushes nothing."""
+        state = self.states.get(seq.request_id)
+        if state is not None:
+            state.detok = None
+
     def output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
         """The delta since the last output of this request; drops the state once finished."""
         state = self.states[seq.request_id]

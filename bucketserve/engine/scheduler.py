@@ -6,7 +6,9 @@ Policy (one `schedule()` call = one step):
    deadline leave here, at the step boundary, and give their blocks back.
 2. Running sequences go first, in admission order (priority, then arrival). A decoding
    sequence needs one token; one still in its prompt (chunked prefill) needs the rest of
-   it, cut to the step's token budget (``max_batched_tokens``). If the pool has no block
+   it, cut to the step's token budget (``max_batched_tokens``) and to the per-sequence
+   chunk limit (``max_prefill_tokens``: a share of the budget, so that one long prompt
+   never fills a whole step and arrivals are admitted next step). If the pool has no block
    for it, the lowest-ranked running sequence (highest priority value, newest arrival) is
    preempted by recompute: its blocks are freed, its computed count drops to 0 and it
    goes back to the waiting queue with its generated tokens kept; when readmitted, prompt
@@ -15,11 +17,12 @@ Policy (one `schedule()` call = one step):
    running limit (``max_running``) and the free blocks allow. Prompts are grouped by
    length bucket: the first admitted prompt fixes the step's bucket and later candidates
    of another bucket wait for a later step (the queue head is always admitted first, so
-   no one starves). A prompt longer than the remaining budget is admitted with a chunk of
-   the budget and continues in later steps (chunked prefill). No admission happens in a
-   step that had to preempt: the pool is the bottleneck then. With prefix caching on, an
-   admitted sequence starts from the cached full blocks of its tokens (block_manager.py)
-   and only the uncached rest counts against the budget and picks its bucket.
+   no one starves). A prompt longer than the remaining budget or the chunk limit is
+   admitted with a chunk and continues in later steps (chunked prefill). No admission
+   happens in a step that had to preempt: the pool is the bottleneck then. With prefix
+   caching on, an admitted sequence starts from the cached full blocks of its tokens
+   (block_manager.py) and only the uncached rest counts against the budget, the chunk
+   limit and its bucket.
 4. Under ``policy = "fcfs"`` the request priority is ignored: arrival order alone.
 
 The scheduler never touches tensors. `update()` appends the sampled tokens, applies the
@@ -70,12 +73,15 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: set[int],
         policy: str = "priority",
+        max_prefill_tokens: int | None = None,
     ) -> None:
         self.blocks = block_manager
         self.prefill_buckets = prefill_buckets
         self.decode_buckets = decode_buckets
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
+        # most new tokens of one sequence in one step (None: the whole budget)
+        self.max_prefill_tokens = max_prefill_tokens or max_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.use_priority = policy == "priority"
@@ -134,9 +140,7 @@ class Scheduler:
                 break
             if seq.status is not running_status:
                 continue  # preempted earlier in this loop
-            n = len(seq.token_ids) - seq.num_computed_tokens
-            if n > budget:
-                n = budget
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget, self.max_prefill_tokens)
             while not self.blocks.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -186,7 +190,8 @@ class Scheduler:
             # prefix cache: the cached full blocks it starts from ([] when caching is off);
             # only the uncached rest counts against the budget and picks the bucket
             prefix = self.blocks.lookup(seq)
-            n = min(seq.num_uncomputed_tokens - len(prefix) * self.blocks.block_size, budget)
+            n = min(seq.num_uncomputed_tokens - len(prefix) * self.blocks.block_size, budget,
+                    self.max_prefill_tokens)
             seq_bucket = self.prefill_buckets.lookup(n) or self.prefill_buckets.boundaries[-1]
             if bucket is not None and seq_bucket != bucket:
                 continue

@@ -84,6 +84,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens reached (or the model's context is full)
     ABORT = "abort"  # cancelled by the client
     TIMEOUT = "timeout"  # waited in the queue past the queue timeout
+    ERROR = "error"  # the engine failed while running it (the output carries the error)
 
 
 _ids = itertools.count()

@@ -108,6 +108,11 @@ def _byte_level_chars() -> dict[str, int]:
 _BYTE_LEVEL_CHARS = _byte_level_chars()
 
 
+# Texts longer than this are encoded through the batch call, which releases the GIL (a server
+# tokenizing a long prompt in a worker thread keeps its event loop running).
+_LONG_TEXT_CHARS = 16384
+
+
 class Tokenizer:
     def __init__(self, backend: _Backend, *, bos_token: str | None = None,
                  eos_token: str | None = None, extra_eos_ids: Sequence[int] = (),
@@ -127,6 +132,8 @@ class Tokenizer:
     # ---- text <-> ids ----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _LONG_TEXT_CHARS:  # the batch call releases the GIL while it works
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
@@ -144,6 +151,15 @@ class Tokenizer:
         decoding of the concatenated `token_bytes` of the ids. Streams then detokenize a
         token at a time without calling the tokenizer (engine/detokenizer.py)."""
         return isinstance(self._tok.decoder, decoders.ByteLevel)
+
+    @cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes one token stands for, when that bounds the token count of a text
+        (byte-level, no normalizer): a text of B UTF-8 bytes has at least B / this tokens.
+        None otherwise."""
+        if not self.is_byte_level or self._tok.normalizer is not None:
+            return None
+        return max(len(self.token_bytes(i)) for i in range(self.vocab_size))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for under byte-level decoding (`is_byte_level`); a

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
-import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -18,6 +18,7 @@ from bucketserve.server.chat import create_chat_completion
 from bucketserve.server.completions import create_completion
 from bucketserve.server.context import ServerContext
 from bucketserve.server.errors import (
+    DEFAULT_BODY_TIMEOUT_S,
     APIError,
     BodySizeLimitMiddleware,
     install_exception_handlers,
@@ -34,6 +35,7 @@ log = logging.getLogger("bucketserve.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 ENGINE_STOP_S = 5.0  # what engine.shutdown gets once the HTTP side has drained
+WATCH_S = 0.5  # how often the watchdog checks that the engine loop still runs
 
 
 class AddOn(Protocol):
@@ -49,17 +51,26 @@ class AddOn(Protocol):
 
 
 class ApiKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer <key>` when a key is configured."""
+    """Every /v1 route and the API schema need `Authorization: Bearer <key>` when a key is
+    configured. The key is compared in constant time; a request with more than one
+    Authorization header is refused (which one counts would depend on the proxy in front)."""
+
+    PROTECTED_PATHS = ("/openapi.json", "/docs", "/redoc")
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
+    def protects(self, path: str) -> bool:
+        return path.startswith("/v1") or path.startswith(self.PROTECTED_PATHS)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope.get("headers", [])).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+        if scope["type"] == "http" and self.protects(scope["path"]):
+            given = [v for k, v in scope.get("headers", []) if k == b"authorization"]
+            if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
+                why = ("send exactly one Authorization header" if len(given) > 1
+                       else "send 'Authorization: Bearer <key>'")
+                err = APIError(401, f"missing or wrong API key: {why}",
                                "authentication_error", None, "invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})
                 await err.response()(scope, receive, send)
@@ -78,9 +89,31 @@ def begin_drain(ctx: ServerContext) -> None:
     asyncio.get_running_loop().call_later(ctx.shutdown_timeout_s, ctx.inflight.abort_all, ctx.engine)
 
 
+async def watch_engine(ctx: ServerContext, add_ons: list[AddOn],
+                       on_dead: Callable[[], None]) -> None:
+    """Calls `on_dead` once when the engine loop (or an add-on's worker) has stopped by itself:
+    a part that failed for good. The server then exits non-zero instead of staying up with
+    /health at 503 (a supervisor restarts it)."""
+    while True:
+        await asyncio.sleep(WATCH_S)
+        if not ctx.inflight.draining and not parts_alive(ctx, add_ons):
+            log.critical("the engine stopped by itself: failing the requests in flight and "
+                         "shutting down (exit status 1)")
+            on_dead()
+            return
+
+
+def parts_alive(ctx: ServerContext, add_ons: list[AddOn]) -> bool:
+    return ctx.engine.is_alive() and all(getattr(a, "is_alive", lambda: True)() for a in add_ons)
+
+
 def create_app(ctx: ServerContext, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               add_ons: list[AddOn] | None = None) -> FastAPI:
+               add_ons: list[AddOn] | None = None,
+               on_engine_dead: Callable[[], None] | None = None,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
+    """`on_engine_dead`: called if the engine stops by itself (cli.py makes the process exit
+    non-zero); None only logs it (in-process tests)."""
     add_ons = add_ons or []
 
     @asynccontextmanager
@@ -89,7 +122,12 @@ def create_app(ctx: ServerContext, api_key: str | None = None,
             ctx.engine.start()
         for add_on in add_ons:
             await add_on.start()
+        watchdog = None
+        if on_engine_dead is not None:
+            watchdog = asyncio.create_task(watch_engine(ctx, add_ons, on_engine_dead))
         yield
+        if watchdog is not None:
+            watchdog.cancel()
         for add_on in add_ons:
             await add_on.shutdown(ENGINE_STOP_S)
         await ctx.engine.shutdown(ENGINE_STOP_S)
@@ -98,7 +136,8 @@ def create_app(ctx: ServerContext, api_key: str | None = None,
     app = FastAPI(title="bucketserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     install_exception_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes,
+                       body_timeout_s=body_timeout_s)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
@@ -108,7 +147,7 @@ def create_app(ctx: ServerContext, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if ctx.engine.is_alive() and not ctx.inflight.draining:
+        if parts_alive(ctx, add_ons) and not ctx.inflight.draining:
             return JSONResponse({"status": "ok"})
         state = "draining" if ctx.inflight.draining else "engine loop not running"
         return JSONResponse({"status": state}, status_code=503)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.requests import Request
@@ -9,7 +10,7 @@ from starlette.responses import Response
 
 from bucketserve.server.context import ServerContext, chat_logprobs
 from bucketserve.server.generation import ClientGone, collect_choices, run_choices, until_disconnect
-from bucketserve.server.prompts import chat_jobs, chat_prompt
+from bucketserve.server.prompts import chat_jobs, chat_prompt, check_queue_room, is_long_text
 from bucketserve.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -27,7 +28,11 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request,
                                  ctx: ServerContext) -> Any:
     req.check()
     ctx.check_model(req.model)
-    prompt = chat_prompt(req, ctx.tokenizer)
+    if is_long_text(req):  # keep the event loop serving others meanwhile
+        prompt = await asyncio.to_thread(chat_prompt, req, ctx.tokenizer, ctx.max_model_len)
+    else:
+        prompt = chat_prompt(req, ctx.tokenizer, ctx.max_model_len)
+    check_queue_room(1, req.n, ctx.engine.max_waiting)
     jobs = chat_jobs(req, prompt, ctx.max_model_len, ctx.pool_tokens)
     request_id = new_id("chatcmpl")
     outputs = run_choices(ctx.engine, jobs, request_id, req.priority, ctx.inflight, ctx.metrics)

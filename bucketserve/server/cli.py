@@ -20,6 +20,7 @@ import time
 from types import FrameType
 
 from bucketserve.server.app import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     ENGINE_STOP_S,
     AddOn,
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(falls back to $BUCKETSERVE_API_KEY)")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies are refused with 413")
+    s.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds a client gets to send its whole request body (else 408)")
     s.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -134,7 +137,16 @@ def serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)  # no model work in this process: leave the cores to the engine
 
     ctx = ServerContext(engine, shutdown_timeout_s=args.shutdown_timeout)
-    app = create_app(ctx, api_key=args.api_key, max_body_bytes=args.max_body_bytes, add_ons=add_ons)
+    engine_failed = False
+
+    def on_engine_dead() -> None:  # a part broke for good: drain, stop, exit 1
+        nonlocal engine_failed
+        engine_failed = True
+        server.handle_exit(signal.SIGTERM, None)
+
+    app = create_app(ctx, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     add_ons=add_ons, on_engine_dead=on_engine_dead,
+                     body_timeout_s=args.body_timeout)
     # Our drain (begin_drain) decides when streams end; sse-starlette must not cut them first.
     AppStatus.disable_automatic_graceful_drain()
 
@@ -155,8 +167,9 @@ def serve(args: argparse.Namespace) -> int:
     # The engine core died: stop serving (a supervisor restarts us), exit non-zero.
     engine.on_dead.append(lambda: setattr(server, "should_exit", True))
     server.run()
-    if engine.dead_reason is not None:
-        log.error("exiting: the engine core died (%s)", engine.dead_reason)
+    if engine.dead_reason is not None or engine_failed:
+        log.error("exiting with status 1: the engine stopped (%s)",
+                  engine.dead_reason or "by itself")
         return 1
     log.info("bye")
     return 0

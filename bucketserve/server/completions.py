@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.requests import Request
@@ -9,7 +10,13 @@ from starlette.responses import Response
 
 from bucketserve.server.context import ServerContext, completion_logprobs
 from bucketserve.server.generation import ClientGone, collect_choices, run_choices, until_disconnect
-from bucketserve.server.prompts import Prompt, completion_jobs, completion_prompts
+from bucketserve.server.prompts import (
+    Prompt,
+    check_queue_room,
+    completion_jobs,
+    completion_prompts,
+    is_long_text,
+)
 from bucketserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -25,7 +32,11 @@ from bucketserve.server.streaming import stream_response
 async def create_completion(req: CompletionRequest, request: Request, ctx: ServerContext) -> Any:
     req.check()
     ctx.check_model(req.model)
-    prompts = completion_prompts(req, ctx.tokenizer)
+    if is_long_text(req):  # keep the event loop serving others meanwhile
+        prompts = await asyncio.to_thread(completion_prompts, req, ctx.tokenizer, ctx.max_model_len)
+    else:
+        prompts = completion_prompts(req, ctx.tokenizer, ctx.max_model_len)
+    check_queue_room(len(prompts), req.n, ctx.engine.max_waiting)
     jobs = completion_jobs(req, prompts, ctx.max_model_len)
     request_id = new_id("cmpl")
     outputs = run_choices(ctx.engine, jobs, request_id, req.priority, ctx.inflight, ctx.metrics)

@@ -27,18 +27,22 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from bucketserve.buckets import BucketsConfig, load_buckets
 from bucketserve.engine.embedding_batcher import (
     QUEUE_DELAY_BUCKETS,
     BatcherStoppedError,
     EmbeddingBatcher,
+    EncoderError,
     QueueTimeoutError,
 )
+from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.outputs import QueueFullError
 from bucketserve.models.bert_loader import LoadedEmbeddingModel, load_embedding_model
 from bucketserve.server.errors import APIError, invalid_request, overloaded
+from bucketserve.server.generation import ClientGone, until_disconnect
+from bucketserve.server.protocol import check_text
 
 log = logging.getLogger("bucketserve.embeddings")
 
@@ -58,7 +62,12 @@ class EmbeddingRequest(BaseModel):
     dimensions: StrictInt | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
-    priority: StrictInt = 0  # lower value runs first, as for generation
+    priority: Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)] = 0  # lower runs first
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_lone_surrogates(cls, data: Any) -> Any:
+        return check_text(data)
 
 
 class BatcherStatsCollector(Collector):
@@ -119,7 +128,11 @@ class EmbeddingService:
         self.model_name = loaded.name
         device = next(loaded.model.parameters()).device
 
+        faults = FaultPlan.from_env()  # test-only hook (engine/faults.py); None normally
+
         def encode(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            if faults is not None:
+                faults.fire("encode", input_ids[:, 0].tolist())
             return loaded.model(input_ids.to(device), mask.to(device))
 
         self.batcher = EmbeddingBatcher.from_config(
@@ -150,7 +163,10 @@ class EmbeddingService:
             ctx = getattr(request.app.state, "ctx", None)
             if ctx is not None and ctx.inflight.draining:
                 raise overloaded("the server is shutting down; retry later", "shutting_down")
-            return await self.create(body)
+            try:  # a client gone drops its inputs that are still queued (batcher.embed)
+                return await until_disconnect(request, self.create(body))
+            except ClientGone:
+                return Response(status_code=499)
 
         return router
 
@@ -165,6 +181,8 @@ class EmbeddingService:
             raise overloaded(str(exc), "queue_timeout") from exc
         except BatcherStoppedError as exc:
             raise overloaded(str(exc), "shutting_down") from exc
+        except EncoderError as exc:
+            raise APIError(500, str(exc), "server_error", None, "encoder_error") from exc
         used = sum(len(ids) for ids in token_ids)
         args = (vectors, body.encoding_format, self.model_name, used)
         if len(vectors) <= _INLINE_RENDER_MAX:

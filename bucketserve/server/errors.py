@@ -7,6 +7,7 @@ anything unexpected is logged with its traceback and answered 500, the server ke
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -20,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("bucketserve.server")
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait before retrying
+LONE_SURROGATE = "lone_surrogate"  # pydantic error type raised by protocol.check_text
 
 
 class APIError(Exception):
@@ -46,7 +48,15 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ErrorResponse(JSONResponse):
+    """An error body as ASCII JSON: a message that quotes the client's input renders even
+    when that input holds characters UTF-8 cannot encode (lone surrogates)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def error_body(message: str, type: str, param: str | None = None,
@@ -70,6 +80,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request", None
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == LONE_SURROGATE:
+        return first["msg"], first.get("ctx", {}).get("param")
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return f"request body is not valid JSON ({detail})", None
@@ -118,25 +130,82 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # the last resort, for a failure outside UnexpectedErrorMiddleware (which answers
+        # everything raised by the routes)
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
-                                       "internal_server_error", None, 500), status_code=500)
+        return internal_error(exc)
+
+    # The innermost of the user middlewares: added first.
+    app.add_middleware(UnexpectedErrorMiddleware)
+
+
+def internal_error(exc: BaseException) -> JSONResponse:
+    return ErrorResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                    "internal_server_error", None, 500), status_code=500)
+
+
+class UnexpectedErrorMiddleware:
+    """Answers an exception no handler took with a 500 error body, and keeps the connection.
+
+    Starlette's own last-resort handler re-raises after answering, and uvicorn then drops the
+    keep-alive connection without `Connection: close`: the client's next request on it fails.
+    Here the exception ends with its response. If the response had already started (a
+    stream), nothing can be sent: the exception goes on and the connection is closed."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_watched(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_watched)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            await internal_error(exc)(scope, receive, send)
+
+
+MAX_HEADER_BYTES = 32 * 1024  # names + values of all request headers together
+DEFAULT_BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this time
 
 
 class BodySizeLimitMiddleware:
-    """Answers 413 to any request whose body is over `max_bytes`.
+    """Answers 413 to any request whose body is over `max_bytes`, 431 to one whose headers
+    together are over `max_header_bytes`.
 
     Checks Content-Length up front, then reads the body itself (counting bytes, so chunked
     bodies without the header are caught too) and replays it to the app in one message.
     Later receive() calls go straight through, so disconnect detection still works."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 max_header_bytes: int = MAX_HEADER_BYTES,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers", []))
+        if header_bytes > self.max_header_bytes:
+            body = error_body(f"the request headers hold {header_bytes} bytes, over the limit "
+                              f"of {self.max_header_bytes} bytes", "invalid_request_error",
+                              None, "headers_too_large")
+            await ErrorResponse(body, status_code=431)(scope, _no_receive, send)
             return
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
@@ -144,8 +213,14 @@ class BodySizeLimitMiddleware:
                 return
 
         body = bytearray()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:  # a client sending its body slowly, or not at all
+                await self._reject_slow(scope, send, len(body))
+                return
             if message["type"] != "http.request":  # the client left before sending it all
                 return
             body += message.get("body", b"")
@@ -166,11 +241,18 @@ class BodySizeLimitMiddleware:
 
         await self.app(scope, replay_receive, send)
 
+    async def _reject_slow(self, scope: Scope, send: Send, size: int) -> None:
+        body = error_body(f"the request body did not arrive within {self.body_timeout_s:g} s "
+                          f"({size} bytes received); send it at once", "invalid_request_error",
+                          None, "body_timeout")
+        await ErrorResponse(body, status_code=408, headers={"Connection": "close"})(
+            scope, _no_receive, send)
+
     async def _reject(self, scope: Scope, send: Send, size: int) -> None:
         body = error_body(f"request body is at least {size} bytes, over the limit of "
                           f"{self.max_bytes} bytes (--max-body-bytes)",
                           "invalid_request_error", None, "request_too_large")
-        await JSONResponse(body, status_code=413)(scope, _no_receive, send)
+        await ErrorResponse(body, status_code=413)(scope, _no_receive, send)
 
 
 async def _no_receive() -> Message:

@@ -28,6 +28,9 @@ from bucketserve.server.metrics import ServerMetrics
 T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming handler checks that its client is there
+# Outputs held for a consumer that does not take them (a client that stopped reading its
+# stream blocks the sender): past this many per choice, the request is aborted and freed.
+MAX_BUFFERED_PER_CHOICE = 1024
 
 
 @dataclass
@@ -40,6 +43,10 @@ class Job:
 
 class ClientGone(Exception):
     """The HTTP client disconnected; nothing more can be sent to it."""
+
+
+class StalledConsumer(Exception):
+    """The client stopped taking its outputs; its engine requests were aborted."""
 
 
 class InFlight:
@@ -66,6 +73,8 @@ def engine_error(exc: BaseException) -> APIError | None:
         return invalid_request(str(exc), exc.param)
     if isinstance(exc, SamplingError):
         return invalid_request(str(exc), exc.param)
+    if isinstance(exc, StalledConsumer):
+        return APIError(408, str(exc), "invalid_request_error", code="client_too_slow")
     return None
 
 
@@ -91,18 +100,27 @@ async def run_choices(
     priority: int,
     inflight: InFlight,
     metrics: ServerMetrics,
+    max_buffered_per_choice: int = MAX_BUFFERED_PER_CHOICE,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Merged outputs of `jobs`, tagged with the job index. Raises APIError for engine
-    refusals (queue full, bad request); aborts all unfinished jobs when closed early."""
+    refusals (queue full, bad request); aborts all unfinished jobs when closed early, and
+    when the consumer leaves more than max_buffered_per_choice x len(jobs) outputs untaken."""
     rids = [f"{request_id}-{i}" for i in range(len(jobs))]
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
     finished: set[int] = set()
+    max_buffered = max_buffered_per_choice * len(jobs)
 
     async def pump(i: int) -> None:
         job = jobs[i]
         try:
             async for out in engine.generate(job.prompt_token_ids, job.params, rids[i], priority):
                 queue.put_nowait((i, out))
+                if queue.qsize() > max_buffered:  # nobody takes them: stop the work
+                    for rid in rids:
+                        engine.abort(rid)
+                    queue.put_nowait((i, StalledConsumer(
+                        f"the client did not read its stream ({queue.qsize()} outputs waiting)")))
+                    return
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which decides

@@ -27,13 +27,37 @@ class TokenizerLike(Protocol):
                             add_generation_prompt: bool = True) -> str: ...
 
 
+INLINE_TOKENIZE_CHARS = 16384  # longer request texts are tokenized in a worker thread
+
+
 @dataclass
 class Prompt:
     token_ids: list[int]
     text: str  # for echo; the decoded ids when the prompt came as ids
 
 
-def completion_prompts(req: CompletionRequest, tok: TokenizerLike) -> list[Prompt]:
+def check_text_fits(text: str, tok: TokenizerLike, max_model_len: int, param: str) -> None:
+    """Refuses, before tokenizing it, a text that certainly has more tokens than the context
+    (tokenizing megabytes takes seconds of CPU): a text of more than max_model_len x the
+    longest token's bytes cannot fit (characters <= UTF-8 bytes)."""
+    per_token = getattr(tok, "max_token_bytes", None)
+    if per_token and len(text) > max_model_len * per_token:
+        raise invalid_request(
+            f"this model's maximum context length is {max_model_len} tokens, and a text of "
+            f"{len(text)} characters has more tokens than that (a token covers at most "
+            f"{per_token} bytes); shorten the prompt", param, "context_length_exceeded")
+
+
+def is_long_text(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether the request's text is long enough to tokenize it off the event loop."""
+    if isinstance(req, CompletionRequest):
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        return sum(len(t) for t in texts if isinstance(t, str)) > INLINE_TOKENIZE_CHARS
+    return sum(len(m.text()) for m in req.messages) > INLINE_TOKENIZE_CHARS
+
+
+def completion_prompts(req: CompletionRequest, tok: TokenizerLike,
+                       max_model_len: int) -> list[Prompt]:
     raw = req.prompt
     if isinstance(raw, str):
         items: Sequence[str | list[int]] = [raw]
@@ -49,6 +73,7 @@ def completion_prompts(req: CompletionRequest, tok: TokenizerLike) -> list[Promp
         if isinstance(item, str):
             if not item:
                 raise invalid_request("prompt is an empty string: send some text", "prompt")
+            check_text_fits(item, tok, max_model_len, "prompt")
             prompts.append(Prompt(tok.encode(item), item))
         else:
             check_token_ids(item, tok.vocab_size)
@@ -65,7 +90,7 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
                                   "prompt")
 
 
-def chat_prompt(req: ChatCompletionRequest, tok: TokenizerLike) -> Prompt:
+def chat_prompt(req: ChatCompletionRequest, tok: TokenizerLike, max_model_len: int) -> Prompt:
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in req.messages]
     try:
@@ -73,6 +98,7 @@ def chat_prompt(req: ChatCompletionRequest, tok: TokenizerLike) -> Prompt:
     except Exception as exc:  # noqa: BLE001 - a template refusing the messages is a client error
         raise invalid_request(f"the chat template cannot render these messages: {exc}",
                               "messages") from exc
+    check_text_fits(text, tok, max_model_len, "messages")
     # The template already holds any BOS token; adding special tokens would double it.
     return Prompt(tok.encode(text, add_special_tokens=False), text)
 
@@ -108,6 +134,18 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
         )
     except SamplingError as exc:
         raise invalid_request(str(exc), exc.param) from exc
+
+
+def check_queue_room(num_prompts: int, n: int, max_waiting: int) -> None:
+    """A request of more engine requests (prompts x n) than the queue can ever hold would get
+    503 + Retry-After forever: refuse it as the client error it is."""
+    if num_prompts * n > max_waiting:
+        what = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+        raise invalid_request(
+            f"this request asks for {num_prompts * n} sequences ({what}), more than the "
+            f"server can ever queue at once (scheduler.max_waiting = {max_waiting}); send "
+            "fewer prompts or a smaller n per request", "n" if num_prompts == 1 else "prompt",
+            "too_many_sequences")
 
 
 def completion_jobs(req: CompletionRequest, prompts: list[Prompt], max_model_len: int) -> list[Job]:

@@ -13,16 +13,28 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
-from bucketserve.server.errors import invalid_request
+from bucketserve.server.errors import LONE_SURROGATE, invalid_request
 
 MAX_N = 128  # choices per request; more is almost surely a client bug
 MAX_LOGPROBS = 20  # the engine's sampler returns at most 20 alternatives
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512  # per stop string: the stream holds back up to this much text
+MAX_STOP_TOKEN_IDS = 64
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as torch.Generator.manual_seed takes
+INT32_MAX = 2**31 - 1  # bound of integer fields that have no natural one (top_k, min_tokens)
 
 # Strict scalars: "5", 5.0 or true are type errors for an integer field, as in OpenAI's API
 # (a float field still takes an integer).
@@ -39,6 +51,38 @@ def now() -> int:
     return int(time.time())
 
 
+def find_lone_surrogate(value: Any, where: str = "") -> str | None:
+    """Where in a parsed JSON body a string holds a lone UTF-16 surrogate ("\\ud800" escaped
+    in JSON: valid JSON, but no Unicode text, so neither a tokenizer nor UTF-8 takes it);
+    None if nowhere. Iterative, so a deeply nested body cannot exhaust the stack."""
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+        elif isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+    return None
+
+
+def check_text(data: Any) -> Any:
+    """A pydantic before-validator of a whole request: refuses lone surrogates anywhere."""
+    where = find_lone_surrogate(data)
+    if where is not None:
+        param = where.split(".")[0].split("[")[0]
+        raise PydanticCustomError(
+            LONE_SURROGATE, "{where} holds a lone UTF-16 surrogate (such as \\ud800), which is "
+            "not valid Unicode text; send well-formed UTF-8 / paired surrogates",
+            {"where": where, "param": param})
+    return data
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -49,6 +93,11 @@ class StreamOptions(_Request):
 
 class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_lone_surrogates(cls, data: Any) -> Any:
+        return check_text(data)
 
     model: str | None = None  # None: the served model
     max_tokens: Int | None = Field(default=None, ge=1)
@@ -64,14 +113,15 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extensions
-    top_k: Int = Field(default=-1, ge=-1)
+    top_k: Int = Field(default=-1, ge=-1, le=INT32_MAX)
     min_p: Float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: Float = Field(default=1.0, gt=0.0, le=2.0)
-    min_tokens: Int = Field(default=0, ge=0)
+    min_tokens: Int = Field(default=0, ge=0, le=INT32_MAX)
     ignore_eos: Bool = False
-    stop_token_ids: list[Int] | None = None
+    stop_token_ids: list[Annotated[Int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: Bool = True
-    priority: Int = 0  # lower value is admitted first
+    priority: Int = Field(default=0, ge=SEED_MIN, le=SEED_MAX)  # lower value is admitted first
 
     def check(self) -> None:
         """Cross-field rules; raises APIError(400) naming the field."""
@@ -80,6 +130,9 @@ class SamplingFields(_Request):
                                   "stream_options")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise invalid_request(f"stop accepts at most {MAX_STOP_STRINGS} strings", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop_list):
+            raise invalid_request(f"a stop string may have at most {MAX_STOP_CHARS} characters",
+                                  "stop")
         if self.logit_bias:
             raise invalid_request("logit_bias is not supported by this server; remove it",
                                   "logit_bias")

@@ -29,6 +29,9 @@ from bucketserve.server.errors import APIError
 from bucketserve.server.generation import ClientGone, InFlight, finish_error, until_disconnect
 
 PING_S = 15  # keep-alive comment lines for proxies; clients ignore them
+# A send that the client does not take within this time ends the stream (and, through the
+# event generator's cleanup, the engine requests behind it).
+SEND_TIMEOUT_S = 30.0
 
 
 class ChunkFormatter(Protocol):
@@ -62,7 +65,8 @@ async def stream_response(
     if err is not None:
         await outputs.aclose()
         return err.response()
-    return EventSourceResponse(_events(first, outputs, formatter, inflight), sep="\n", ping=PING_S)
+    return EventSourceResponse(_events(first, outputs, formatter, inflight), sep="\n", ping=PING_S,
+                               send_timeout=SEND_TIMEOUT_S)
 
 
 async def _events(
