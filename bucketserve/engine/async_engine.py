@@ -92,7 +92,7 @@ class AsyncEngine:
     @property
     def max_waiting(self) -> int:
         """Most engine requests that may wait for admission (scheduler.max_waiting)."""
-        return self.engine.buckets.max_waiting
+        return self.limits.max_waiting
 
     @property
     def pool_tokens(self) -> int:
