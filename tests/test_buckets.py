@@ -31,8 +31,10 @@ DOCUMENTED_DEFAULTS = {
     "scheduler": {"max_running": 256, "max_batched_tokens": "auto", "max_waiting": 1024,
                   "queue_timeout_s": 600.0, "policy": "priority"},
     "kv_cache": {"block_size": 16, "cpu_memory_gib": 2.0, "gpu_memory_fraction": 0.9},
-    "embedding": {"boundaries": [*range(8, 257, 8), 320, 384, 448, 512], "preferred_batch_size": 32,
-                  "max_batch_tokens": 8192, "max_queue_delay_ms": 5.0,
+    "embedding": {"boundaries": [*range(8, 257, 8), 320, 384, 448, 512],
+                  "batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256],
+                  "preferred_batch_size": "auto", "max_batch_tokens": "auto",
+                  "max_queue_delay_ms": 5.0,
                   "max_inputs_per_request": 2048, "max_merged_padding": 0.1},
 }
 
@@ -206,6 +208,14 @@ INVALID = [
     ("[scheduler]\nmax_batched_tokens = 8192.0\n", "scheduler.max_batched_tokens",
      ["float", 'or "auto"']),
     ("[embedding]\npreferred_batch_size = 0\n", "embedding.preferred_batch_size", [">= 1"]),
+    ('[embedding]\npreferred_batch_size = "big"\n', "embedding.preferred_batch_size",
+     ["'big'", 'or "auto"']),
+    ("[embedding]\nmax_batch_tokens = 8192.0\n", "embedding.max_batch_tokens",
+     ["float", 'or "auto"']),
+    ("[embedding]\nbatch_sizes = [4, 2]\n", "embedding.batch_sizes",
+     ["element 1 (2)", "strictly increasing"]),
+    ("[embedding]\nbatch_sizes = []\n", "embedding.batch_sizes", ["empty array"]),
+    ("[embedding]\nbatch_sizes = [0, 8]\n", "embedding.batch_sizes", ["element 0", "positive"]),
     ("[embedding]\nmax_inputs_per_request = false\n", "embedding.max_inputs_per_request",
      ["boolean"]),
     # boundary / batch-size arrays
@@ -253,6 +263,19 @@ def test_invalid_value_names_key(tmp_path: Path, text: str, key: str, fragments:
     assert str(err).startswith(f"{path}: {key}: "), str(err)
     for fragment in fragments:
         assert fragment in str(err), (fragment, str(err))
+
+
+def test_embedding_auto_batch_by_device(tmp_path: Path) -> None:
+    emb = load_buckets().embedding
+    assert (emb.batch_size("cpu"), emb.batch_tokens("cpu")) == (32, 8192)
+    assert (emb.batch_size("cuda"), emb.batch_tokens("cuda")) == (256, 65536)
+    assert emb.batch_size("mps") == 32  # other devices: the CPU values
+    path = write(tmp_path, "[embedding]\npreferred_batch_size = 8\nmax_batch_tokens = 1024\n"
+                           "batch_sizes = [2, 8]\nboundaries = [16, 512]\n")
+    emb = load_buckets(path).embedding
+    assert emb.batch_sizes == (2, 8)
+    assert [emb.batch_size(d) for d in ("cpu", "cuda")] == [8, 8]
+    assert [emb.batch_tokens(d) for d in ("cpu", "cuda")] == [1024, 1024]
 
 
 def test_config_error_is_value_error() -> None:

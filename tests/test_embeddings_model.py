@@ -12,6 +12,7 @@ import json
 import random
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,7 +158,8 @@ def _batched(ours, token_ids, groups, **batcher_kw) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * len(token_ids)
     for g, vecs in zip(groups, results, strict=True):
         for i, v in zip(g, vecs, strict=True):
-            out[i] = v
+            assert isinstance(v, np.ndarray) and v.dtype == np.float32  # numpy rows, no tensors
+            out[i] = torch.from_numpy(v)
     # Every bucket ran at its own length: rows were padded to a boundary, never beyond.
     assert set(batcher.stats.batches_per_bucket) <= set(batcher_kw["boundaries"])
     if batcher_kw.get("max_merged_padding"):  # the layout is meant to merge buckets

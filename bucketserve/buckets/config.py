@@ -100,6 +100,24 @@ def _step_tokens(value: Any) -> int | str:
     return value
 
 
+# `[embedding] preferred_batch_size / max_batch_tokens = "auto"`: the encoder batch by device.
+# On CPU a forward's time grows with its tokens, so batches of 32 already keep the cores busy;
+# a GPU forward of a few thousand tokens is launch-bound, and larger batches (one CUDA graph
+# each) cost little more than small ones.
+AUTO_EMBEDDING_BATCH = {"cpu": 32, "cuda": 256}
+AUTO_EMBEDDING_BATCH_TOKENS = {"cpu": 8192, "cuda": 65536}
+
+
+def _positive_int_or_auto(value: Any) -> int | str:
+    if value == "auto":
+        return value
+    if not _is_int(value):
+        raise _Bad(f'{_got(value)}; expected a positive integer or "auto"')
+    if value < 1:
+        raise _Bad(f'got {value}; expected a positive integer (>= 1) or "auto"')
+    return value
+
+
 def _increasing_ints(value: Any) -> tuple[int, ...]:
     expected = "expected a non-empty array of strictly increasing positive integers, e.g. [16, 32, 64]"
     if not isinstance(value, list):
@@ -189,8 +207,9 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
     },
     "embedding": {
         "boundaries": (_increasing_ints, "embedding.boundaries"),
-        "preferred_batch_size": (_positive_int, "embedding.preferred_batch_size"),
-        "max_batch_tokens": (_positive_int, "embedding.max_batch_tokens"),
+        "batch_sizes": (_increasing_ints, "embedding.batch_sizes"),
+        "preferred_batch_size": (_positive_int_or_auto, "embedding.preferred_batch_size"),
+        "max_batch_tokens": (_positive_int_or_auto, "embedding.max_batch_tokens"),
         "max_queue_delay_ms": (_non_negative_float, "embedding.max_queue_delay_ms"),
         "max_inputs_per_request": (_positive_int, "embedding.max_inputs_per_request"),
         "max_merged_padding": (_closed_fraction, "embedding.max_merged_padding"),
@@ -202,8 +221,9 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
 @dataclass(frozen=True)
 class EmbeddingConfig:
     boundaries: tuple[int, ...]
-    preferred_batch_size: int
-    max_batch_tokens: int
+    batch_sizes: tuple[int, ...]  # CUDA graph batch sizes (per length bucket)
+    preferred_batch_size: int | str  # inputs, or "auto": see batch_size
+    max_batch_tokens: int | str  # tokens, or "auto": see batch_tokens
     max_queue_delay_ms: float
     max_inputs_per_request: int
     max_merged_padding: float  # padding-waste bound of a batch merged from several buckets
@@ -211,6 +231,19 @@ class EmbeddingConfig:
     @property
     def spec(self) -> BucketSpec:
         return BucketSpec(self.boundaries)
+
+    def batch_size(self, device_type: str) -> int:
+        """preferred_batch_size on a device ("cpu", "cuda"): the set value, or for "auto" the
+        device's default (AUTO_EMBEDDING_BATCH; the CPU one for other devices)."""
+        if self.preferred_batch_size == "auto":
+            return AUTO_EMBEDDING_BATCH.get(device_type, AUTO_EMBEDDING_BATCH["cpu"])
+        return int(self.preferred_batch_size)
+
+    def batch_tokens(self, device_type: str) -> int:
+        """max_batch_tokens on a device, as batch_size (AUTO_EMBEDDING_BATCH_TOKENS)."""
+        if self.max_batch_tokens == "auto":
+            return AUTO_EMBEDDING_BATCH_TOKENS.get(device_type, AUTO_EMBEDDING_BATCH_TOKENS["cpu"])
+        return int(self.max_batch_tokens)
 
 
 @dataclass(frozen=True)
@@ -284,13 +317,14 @@ class BucketsConfig:
 
     def _check_cross_keys(self) -> None:
         emb = self.embedding
-        if emb.max_batch_tokens < emb.boundaries[-1]:
+        batch_tokens = min(emb.batch_tokens(d) for d in AUTO_EMBEDDING_BATCH_TOKENS)
+        if batch_tokens < emb.boundaries[-1]:
             key = ("embedding.max_batch_tokens"
                    if "embedding.max_batch_tokens" in self.user_keys or
                    "embedding.boundaries" not in self.user_keys else "embedding.boundaries")
             raise ConfigError(
                 self.source, key,
-                f"embedding.max_batch_tokens ({emb.max_batch_tokens}) is smaller than the last "
+                f"embedding.max_batch_tokens ({batch_tokens}) is smaller than the last "
                 f"embedding.boundaries value ({emb.boundaries[-1]}), so an input of that length "
                 f"could never be batched; expected max_batch_tokens >= {emb.boundaries[-1]}",
             )

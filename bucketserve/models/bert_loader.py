@@ -42,6 +42,9 @@ class EmbeddingTokenizer:
         self._tok.no_truncation()
         self.do_lower_case = do_lower_case
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # Rust batch encoding over all cores, the GIL released; the _fast variant (tokenizers
+        # >= 0.20) skips character offsets, which embeddings never use (~25% faster).
+        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
 
     def encode_batch(self, texts: list[str], max_length: int | None = None) -> list[list[int]]:
         """Token ids with special tokens ([CLS] ... [SEP]). max_length truncates as
@@ -49,7 +52,7 @@ class EmbeddingTokenizer:
         if self.do_lower_case:
             texts = [t.lower() for t in texts]
         if max_length is None:
-            return [e.ids for e in self._tok.encode_batch(texts)]
+            return [e.ids for e in self._encode_batch(texts)]
         special = self._tok.num_special_tokens_to_add(is_pair=False)
         if max_length <= special:
             raise ValueError(f"truncation length {max_length} leaves no room for the text; "
@@ -57,7 +60,7 @@ class EmbeddingTokenizer:
         # Truncate the text's own tokens, then add the special tokens: what the tokenizer's
         # truncation does, without touching its shared (thread-unsafe) truncation state.
         out = []
-        for enc in self._tok.encode_batch(texts, add_special_tokens=False):
+        for enc in self._encode_batch(texts, add_special_tokens=False):
             if len(enc.ids) > max_length - special:
                 enc.truncate(max_length - special)
             out.append(self._tok.post_process(enc).ids)
