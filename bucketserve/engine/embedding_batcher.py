@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from bucketserve.buckets import EmbeddingConfig
+from bucketserve.buckets import BucketsConfig, EmbeddingConfig
 from bucketserve.engine.embedding_queue import Batch, BucketQueue
 from bucketserve.engine.embedding_runner import FunctionRunner, Ticket
 from bucketserve.engine.outputs import QueueFullError
@@ -157,9 +157,11 @@ class EmbeddingBatcher:
     ) -> None:
         self.runner: Runner = (encode if hasattr(encode, "launch")  # type: ignore[assignment]
                                else FunctionRunner(encode, pad_token_id))  # type: ignore[arg-type]
+        # A runner with compiled batch sizes (CudaGraphRunner.sizes): batches fit them.
         self.queue = BucketQueue(boundaries, preferred_batch_size, max_batch_tokens,
                                  max_queue_delay_ms / 1000.0, policy == "priority",
-                                 max_merged_padding, queue_timeout_s)
+                                 max_merged_padding, queue_timeout_s,
+                                 graph_sizes=getattr(self.runner, "sizes", None))
         self.spec = self.queue.spec
         self.preferred_batch_size = preferred_batch_size
         self.queue_timeout_s = queue_timeout_s
@@ -327,3 +329,47 @@ class EmbeddingBatcher:
                 req.remaining -= 1
                 if req.remaining == 0:
                     self._finish(req, req.results)  # type: ignore[arg-type]
+
+
+async def embed_texts(batcher: EmbeddingBatcher, tokenize: Callable[[list[str]], list[list[int]]],
+                      texts: Sequence[str], chunk: int = 1024) -> list[np.ndarray]:
+    """Offline: vectors for many texts, tokenization included. Chunks are tokenized in order
+    on one helper thread (the tokenizers library encodes a batch on all cores, the GIL
+    released) while the batcher already encodes the chunks before, so tokenizing and encoding
+    overlap instead of adding up."""
+    import concurrent.futures
+
+    loop = asyncio.get_running_loop()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
+
+        async def one(part: list[str]) -> list[np.ndarray]:
+            ids = await loop.run_in_executor(pool, tokenize, part)
+            return await batcher.embed(ids)
+
+        parts = await asyncio.gather(*(one(list(texts[i:i + chunk]))
+                                       for i in range(0, len(texts), chunk)))
+    return [v for part in parts for v in part]
+
+
+def build_batcher(model: torch.nn.Module, pad_token_id: int, buckets: BucketsConfig
+                  ) -> EmbeddingBatcher:
+    """The batcher for a loaded BertEmbeddingModel, as the server builds it (not started): on
+    CUDA a CudaGraphRunner whose graphs are captured here (start-up; logged), else the model
+    called directly. `buckets` must already fit the model (check_model)."""
+    from bucketserve.engine.embedding_queue import batch_capacity
+    from bucketserve.engine.embedding_runner import CudaGraphRunner
+
+    device = next(model.parameters()).device
+    emb = buckets.embedding
+    runner: Runner
+    if device.type == "cuda":
+        size, tokens = emb.batch_size("cuda"), emb.batch_tokens("cuda")
+        runner = CudaGraphRunner(model, emb.spec, emb.batch_sizes,
+                                 lambda length: batch_capacity(length, size, tokens),
+                                 pad_token_id, device)
+        runner.capture()
+    else:
+        runner = FunctionRunner(model, pad_token_id)
+    return EmbeddingBatcher.from_config(
+        runner, emb, queue_timeout_s=buckets.queue_timeout_s, max_waiting=buckets.max_waiting,
+        policy=buckets.policy, pad_token_id=pad_token_id, device_type=device.type)

@@ -16,7 +16,13 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
    one other bucket (any k that fits), choosing the bucket and k that leave the least padding,
    while the batch's waste 1 - sum(lengths) / (B * L') stays <= max_merged_padding and B stays
    <= cap(L'). A batch its own bucket fills is never topped up.
-5. Inputs of requests that finished early (cancelled, failed, timed out) are skipped when they
+5. Compiled shapes (graph_sizes given: the CUDA graph batch sizes): a batch of n inputs runs
+   at the smallest size >= n, the extra rows computed for nothing. When those rows would make
+   the batch's waste 1 - sum(lengths) / (size * L) exceed max_merged_padding, the batch is cut
+   to the largest size <= n instead and the inputs cut off go back to their queues (they run
+   next, at their own exact size or with later arrivals). Above the largest size a batch runs
+   eagerly at its own size: no padding rows.
+6. Inputs of requests that finished early (cancelled, failed, timed out) are skipped when they
    reach the head of a FIFO, or swept out of the buckets `mark_dead` names. `expired(now)`
    hands back the requests whose oldest input waited longer than queue_timeout_s.
 
@@ -31,7 +37,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from bucketserve.buckets import BucketSpec
+from bucketserve.buckets import BucketSpec, round_up_batch_size
 
 
 def batch_capacity(length: int, preferred_batch_size: int, max_batch_tokens: int) -> int:
@@ -85,7 +91,8 @@ class _Bucket:
 class BucketQueue:
     def __init__(self, boundaries: Iterable[int], preferred_batch_size: int,
                  max_batch_tokens: int, max_queue_delay_s: float, use_priority: bool = True,
-                 max_merged_padding: float = 0.0, queue_timeout_s: float = 600.0) -> None:
+                 max_merged_padding: float = 0.0, queue_timeout_s: float = 600.0,
+                 graph_sizes: Iterable[int] | None = None) -> None:
         self.spec = BucketSpec(boundaries)
         if max_batch_tokens < self.spec.max_len:
             raise ValueError(f"max_batch_tokens {max_batch_tokens} is below the last boundary "
@@ -99,6 +106,7 @@ class BucketQueue:
         self.use_priority = use_priority
         self.max_merged_padding = max_merged_padding
         self.queue_timeout_s = queue_timeout_s
+        self.graph_sizes = sorted(set(graph_sizes)) if graph_sizes else None
         self._buckets = {b: _Bucket() for b in self.spec.boundaries}
         self._seq = 0
 
@@ -197,7 +205,40 @@ class BucketQueue:
         batch = Batch(length, items)
         if len(items) < self.capacity(length) and self.max_merged_padding > 0:
             self._merge(batch)
+        if self.graph_sizes:
+            self._fit_graph_size(batch)
         return batch
+
+    def padded_size(self, n: int) -> int:
+        """Rows a batch of n inputs is computed at (point 5)."""
+        if not self.graph_sizes:
+            return n
+        return round_up_batch_size(n, self.graph_sizes) or n
+
+    def _fit_graph_size(self, batch: Batch) -> None:
+        """Point 5: cut the batch to a captured size when padding rows would waste too much."""
+        n = batch.size
+        up = self.padded_size(n)
+        useful = sum(item.length for item in batch.items)
+        if up == n or 1.0 - useful / (up * batch.length) <= self.max_merged_padding:
+            return
+        down = max((b for b in self.graph_sizes or () if b <= n), default=None)
+        if down is None:
+            return
+        kept, back = batch.items[:down], batch.items[down:]
+        for item in back:
+            bucket = self._buckets[self.spec.lookup(item.length)]
+            fifo = bucket.fifos.get(item.priority)
+            if fifo is None:
+                fifo = bucket.fifos[item.priority] = deque()
+            i = 0  # back in arrival order (these are mostly at the front)
+            while i < len(fifo) and fifo[i].seq < item.seq:
+                i += 1
+            fifo.insert(i, item)
+            bucket.live += 1
+        batch.items = kept
+        batch.length = max(self.spec.lookup(item.length) for item in kept)
+        batch.merged = any(self.spec.lookup(item.length) != batch.length for item in kept)
 
     def _take(self, length: int, n: int) -> list[QueuedInput]:
         """Up to n live inputs of one bucket, best first (priority, then arrival)."""

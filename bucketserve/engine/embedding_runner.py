@@ -23,10 +23,14 @@ the smallest captured batch size >= n (round_up_batch_size); rows n.. are paddin
 length 1 (their vectors are computed and dropped). More rows than the largest captured size,
 or a length without graphs, run the same forward eagerly. All device work is on the runner's
 own stream, so it does not serialise with an LLM engine sharing the GPU.
+
+On a CPU device (tests without CUDA) nothing is captured: every shape that would be a graph
+runs eagerly at its padded size, so the padding-row and shape-selection logic is the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -117,27 +121,34 @@ class CudaGraphRunner:
         self.device = torch.device(device)
         self.pad_token_id = pad_token_id
         self.shapes = graph_shapes(spec, self.sizes, capacity)
+        self.shape_set = set(self.shapes)
         dim = model.embedding_dim
         # Most rows any batch can have: the largest capacity, or the largest graph size.
         max_rows = max(max(capacity(b) for b in spec.boundaries),
                        max(b for b, _ in self.shapes))
         width = spec.max_len + 1
         self.max_rows = max_rows
-        self.stream = torch.cuda.Stream(self.device)
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.dev_in = torch.zeros(max_rows * width, dtype=torch.int32, device=self.device)
         self.dev_out = torch.zeros(max_rows, dim, dtype=torch.float32, device=self.device)
-        self.host_in = [torch.zeros(max_rows * width, dtype=torch.int32, pin_memory=True)
+        self.host_in = [torch.zeros(max_rows * width, dtype=torch.int32, pin_memory=cuda)
                         for _ in range(2)]
-        self.host_out = [torch.zeros(max_rows, dim, dtype=torch.float32, pin_memory=True)
+        self.host_out = [torch.zeros(max_rows, dim, dtype=torch.float32, pin_memory=cuda)
                          for _ in range(2)]
         self._host_in_np = [t.numpy() for t in self.host_in]
         self._host_out_np = [t.numpy() for t in self.host_out]
-        self._events = [torch.cuda.Event(), torch.cuda.Event()]
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else [None, None]
         self._slot = 0
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.num_graph_batches = 0
-        self.num_eager_batches = 0
+        self.report: CaptureReport | None = None
+        self.num_graph_batches = 0  # batches at a captured shape (CPU: at a padded shape)
+        self.num_eager_batches = 0  # batches above the largest captured size
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        return (torch.cuda.stream(self.stream) if self.stream is not None
+                else contextlib.nullcontext())
 
     def profiles(self) -> list[tuple[tuple[int, int, int], list[int]]]:
         """Per bucket: its (min, opt, max) length profile (from BucketSpec) and the batch
@@ -164,7 +175,7 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
         warmed: set[int] = set()
-        with torch.cuda.stream(self.stream):
+        with self._on_stream():
             for rows, length in self.shapes:
                 # fill the statics with valid padding rows (length 1), as any replay sees
                 fill_rows(self._host_in_np[0][: rows * (length + 1)].reshape(rows, length + 1),
@@ -184,6 +195,7 @@ class CudaGraphRunner:
                 self.graphs[(rows, length)] = graph
         torch.cuda.synchronize(self.device)
         report = CaptureReport(len(self.graphs), time.perf_counter() - t0, pool_bytes(self.pool))
+        self.report = report
         sizes = sorted({b for b, _ in self.shapes})
         log.info("captured %d embedding graphs (%d length buckets %d..%d x batch sizes %s) in "
                  "%.2f s, %.1f MiB pool", report.num_graphs, len(self.spec), self.spec.boundaries[0],
@@ -193,7 +205,7 @@ class CudaGraphRunner:
     def padded_rows(self, rows: int, length: int) -> int:
         """Rows a batch of `rows` at `length` is computed at (itself when eager)."""
         size = round_up_batch_size(rows, self.sizes)
-        return size if size is not None and (size, length) in self.graphs else rows
+        return size if size is not None and (size, length) in self.shape_set else rows
 
     # ------------------------------------------------------------------ one batch
     @torch.inference_mode()
@@ -205,23 +217,29 @@ class CudaGraphRunner:
         padded = self.padded_rows(n, length)
         slot = self._slot
         self._slot ^= 1
-        self._events[slot].synchronize()  # its last batch was collected; cheap
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()  # its last batch was collected already; cheap
         count = padded * (length + 1)
         fill_rows(self._host_in_np[slot][:count].reshape(padded, length + 1), rows,
                   self.pad_token_id)
-        with torch.cuda.stream(self.stream):
+        with self._on_stream():
             self.dev_in[:count].copy_(self.host_in[slot][:count], non_blocking=True)
             graph = self.graphs.get((padded, length))
             if graph is not None:
                 graph.replay()
-                self.num_graph_batches += 1
             else:
                 self._forward(padded, length)
+            if (padded, length) in self.shape_set:
+                self.num_graph_batches += 1
+            else:
                 self.num_eager_batches += 1
             self.host_out[slot][:n].copy_(self.dev_out[:n], non_blocking=True)
-            self._events[slot].record(self.stream)
-        return Ticket(n, padded, length, slot=slot, event=self._events[slot])
+            if event is not None:
+                event.record(self.stream)
+        return Ticket(n, padded, length, slot=slot, event=event)
 
     def collect(self, ticket: Ticket) -> np.ndarray:
-        ticket.event.synchronize()
+        if ticket.event is not None:
+            ticket.event.synchronize()
         return self._host_out_np[ticket.slot][: ticket.rows].copy()

@@ -12,7 +12,7 @@ refusing long inputs. Vectors come back in input order, as floats or as base64 o
 little-endian float32 (OpenAI's encoding).
 
 On a CUDA device the encoder runs as CUDA graphs, one per (batch size, length bucket), captured
-in build_add_on before the server accepts requests (engine/embedding_runner.py).
+when the service is built, before the server accepts requests (engine/embedding_runner.py).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from bucketserve.engine.embedding_batcher import (
     BatcherStoppedError,
     EmbeddingBatcher,
     QueueTimeoutError,
+    build_batcher,
 )
-from bucketserve.engine.embedding_queue import batch_capacity
-from bucketserve.engine.embedding_runner import CudaGraphRunner, FunctionRunner
+from bucketserve.engine.embedding_runner import CudaGraphRunner
 from bucketserve.engine.outputs import QueueFullError
 from bucketserve.models.bert_loader import LoadedEmbeddingModel, load_embedding_model
 from bucketserve.server.errors import APIError, invalid_request, overloaded
@@ -122,22 +122,9 @@ class EmbeddingService:
         buckets = buckets.check_model(embedding_max_len=loaded.max_seq_length)
         self.loaded = loaded
         self.model_name = loaded.name
-        device = next(loaded.model.parameters()).device
-        emb = buckets.embedding
-        pad = loaded.config.pad_token_id
-        self.graphs: CudaGraphRunner | None = None
-        if device.type == "cuda":
-            size, tokens = emb.batch_size("cuda"), emb.batch_tokens("cuda")
-            self.graphs = CudaGraphRunner(
-                loaded.model, emb.spec, emb.batch_sizes,
-                lambda length: batch_capacity(length, size, tokens), pad, device)
-            runner: CudaGraphRunner | FunctionRunner = self.graphs
-        else:
-            runner = FunctionRunner(loaded.model, pad)
-        self.batcher = EmbeddingBatcher.from_config(
-            runner, emb, queue_timeout_s=buckets.queue_timeout_s,
-            max_waiting=buckets.max_waiting, policy=buckets.policy, pad_token_id=pad,
-            device_type=device.type)
+        self.batcher = build_batcher(loaded.model, loaded.config.pad_token_id, buckets)
+        runner = self.batcher.runner
+        self.graphs = runner if isinstance(runner, CudaGraphRunner) else None
         self.max_inputs = buckets.embedding.max_inputs_per_request
         # Longest input served: the model's limit, or a smaller last bucket from the user's file.
         self.max_input_tokens = min(loaded.max_seq_length, self.batcher.max_len)
@@ -309,9 +296,7 @@ def build_add_on(model: str = "all-minilm-l6-v2", device: str = "cpu",
     on CUDA this captures the encoder's graphs (logged: how many, how long, how much memory)."""
     loaded = load_embedding_model(model, device=device, dtype=dtype)
     service = EmbeddingService(loaded, buckets if buckets is not None else load_buckets())
-    if service.graphs is not None:
-        service.graphs.capture()
-    else:  # one tiny forward so the first request does not pay for lazy initialisation
+    if service.graphs is None:  # one tiny forward: the first request pays no lazy set-up
         ids = torch.zeros((1, service.batcher.spec.boundaries[0]), dtype=torch.long,
                           device=device)
         loaded.model(ids, torch.ones_like(ids, dtype=torch.bool))
