@@ -268,7 +268,7 @@ def test_invalid_value_names_key(tmp_path: Path, text: str, key: str, fragments:
 def test_embedding_auto_batch_by_device(tmp_path: Path) -> None:
     emb = load_buckets().embedding
     assert (emb.batch_size("cpu"), emb.batch_tokens("cpu")) == (32, 8192)
-    assert (emb.batch_size("cuda"), emb.batch_tokens("cuda")) == (256, 65536)
+    assert (emb.batch_size("cuda"), emb.batch_tokens("cuda")) == (64, 16384)
     assert emb.batch_size("mps") == 32  # other devices: the CPU values
     path = write(tmp_path, "[embedding]\npreferred_batch_size = 8\nmax_batch_tokens = 1024\n"
                            "batch_sizes = [2, 8]\nboundaries = [16, 512]\n")

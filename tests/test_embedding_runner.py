@@ -47,7 +47,7 @@ def st_reference(rows: list[list[int]]) -> torch.Tensor:
     """sentence-transformers float32 on exactly these token ids."""
     from sentence_transformers import SentenceTransformer
 
-    st = SentenceTransformer(str(minilm_dir()), device="cpu")
+    st = SentenceTransformer(str(minilm_dir()), device="cpu").float()
     L = max(map(len, rows))
     ids = torch.zeros(len(rows), L, dtype=torch.long)
     mask = torch.zeros(len(rows), L, dtype=torch.long)

@@ -1,12 +1,14 @@
 """Embeddings on a CUDA GPU: every captured (batch, length) graph, with padding rows, and the
 eager fallback above the largest captured size, against sentence-transformers in float32
-(cosine >= 0.9999 for every row); and texts through the batcher as the server builds it. CUDA
-only."""
+(float16: cosine >= 0.9999 for every row; bfloat16, whose 8-bit mantissa cannot promise that:
+0.9999 or at least sentence-transformers' own bfloat16 accuracy on the same rows); and texts
+through the batcher as the server builds it. CUDA only."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -32,10 +34,8 @@ def st32():
     return SentenceTransformer(str(minilm_dir()), device="cuda").float()
 
 
-@pytest.fixture(scope="module", params=["float16", "bfloat16"])
-def loaded(request):
-    return load_embedding_model("all-minilm-l6-v2", device="cuda",
-                                dtype=getattr(torch, request.param))
+def load(dtype: str):
+    return load_embedding_model("all-minilm-l6-v2", device="cuda", dtype=getattr(torch, dtype))
 
 
 def st_reference(st, rows: list[list[int]]) -> torch.Tensor:
@@ -51,19 +51,22 @@ def st_reference(st, rows: list[list[int]]) -> torch.Tensor:
     return out["sentence_embedding"].float().cpu()
 
 
-def test_every_captured_shape_and_the_eager_fallback(loaded, st32):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_every_captured_shape_and_the_eager_fallback(dtype, st32):
+    loaded = load(dtype)
     buckets = load_buckets().check_model(embedding_max_len=loaded.max_seq_length)
     spec = buckets.embedding.spec
-    sizes = (1, 2, 4, 8, 16, 32, 64, 128)
-    runner = CudaGraphRunner(loaded.model, spec, sizes, lambda L: 200, 0, "cuda")
+    sizes = (1, 2, 4, 16, 64)
+    runner = CudaGraphRunner(loaded.model, spec, sizes, lambda L: 100, 0, "cuda")
     report = runner.capture()
     assert report.num_graphs == len(spec) * len(sizes) == len(runner.graphs)
     rng = random.Random(0)
     pools, refs = {}, {}
     for i, L in enumerate(spec.boundaries):
         low, _, high = runner.profiles()[i][0]
-        pools[L] = [[101] + [rng.randint(1000, 29000) for _ in range(rng.randint(max(low, 3), high) - 2)]
-                    + [102] for _ in range(200)]
+        pools[L] = [[101] + [rng.randint(1000, 29000)
+                             for _ in range(rng.randint(max(low, 3), high) - 2)] + [102]
+                    for _ in range(100)]
         refs[L] = st_reference(st32, pools[L])
     worst = 1.0
     for B, L in runner.shapes:
@@ -72,22 +75,33 @@ def test_every_captured_shape_and_the_eager_fallback(loaded, st32):
         out = runner.collect(runner.launch(pools[L][:n], L))
         cos = torch.nn.functional.cosine_similarity(torch.from_numpy(out), refs[L][:n])
         worst = min(worst, cos.min().item())
-        assert cos.min().item() >= MIN_COSINE, (B, L, cos.min().item())
     assert runner.num_graph_batches == len(runner.shapes) and runner.num_eager_batches == 0
-    for L in spec.boundaries:  # 200 rows > 128: eager, no padding rows
-        assert runner.padded_rows(200, L) == 200
+    for L in spec.boundaries:  # 100 rows > 64: eager, no padding rows
+        assert runner.padded_rows(100, L) == 100
         out = runner.collect(runner.launch(pools[L], L))
         cos = torch.nn.functional.cosine_similarity(torch.from_numpy(out), refs[L])
-        assert cos.min().item() >= MIN_COSINE, (200, L, cos.min().item())
+        worst = min(worst, cos.min().item())
     assert runner.num_eager_batches == len(spec)
-    print(f"{loaded.model.encoder.embeddings.LayerNorm.weight.dtype}: worst cosine {worst:.6f}")
+    floor = MIN_COSINE
+    if dtype == "bfloat16":  # sentence-transformers' own bfloat16 on the same rows
+        st_bf16 = min(torch.nn.functional.cosine_similarity(
+            st_reference(st32.to(torch.bfloat16), pools[L]), refs[L]).min().item()
+            for L in spec.boundaries)
+        st32.float()
+        floor = min(MIN_COSINE, st_bf16)
+        print(f"sentence-transformers bfloat16: worst cosine {st_bf16:.6f}")
+    print(f"{dtype}: worst cosine {worst:.6f} over {len(runner.shapes)} graphs + eager")
+    assert worst >= floor
 
 
-def test_texts_through_the_batcher_match_st(loaded, st32):
+def test_texts_through_the_batcher_match_st(st32):
     from bench.embeddings_gpu import corpus
 
+    loaded = load("float16")
     texts = corpus(3000, seed=1)
     buckets = load_buckets().check_model(embedding_max_len=loaded.max_seq_length)
+    # fewer graph sizes than the default: capture time (the bench runs the default)
+    buckets = replace(buckets, embedding=replace(buckets.embedding, batch_sizes=(1, 4, 16, 64)))
     batcher = build_batcher(loaded.model, loaded.config.pad_token_id, buckets)
 
     async def go():

@@ -101,11 +101,12 @@ def _step_tokens(value: Any) -> int | str:
 
 
 # `[embedding] preferred_batch_size / max_batch_tokens = "auto"`: the encoder batch by device.
-# On CPU a forward's time grows with its tokens, so batches of 32 already keep the cores busy;
-# a GPU forward of a few thousand tokens is launch-bound, and larger batches (one CUDA graph
-# each) cost little more than small ones.
-AUTO_EMBEDDING_BATCH = {"cpu": 32, "cuda": 256}
-AUTO_EMBEDDING_BATCH_TOKENS = {"cpu": 8192, "cuda": 65536}
+# On CPU a forward's time grows with its tokens, so batches of 32 already keep the cores busy.
+# On a GPU (H200, all-MiniLM-L6-v2 fp16, 20,000 texts offline) batches of up to 64 ran 20.6k
+# texts/s against 13.1k for 256: the host path, not the device, sets the pace there, and
+# smaller batches fill (and dispatch) sooner; they also need fewer graphs at start-up.
+AUTO_EMBEDDING_BATCH = {"cpu": 32, "cuda": 64}
+AUTO_EMBEDDING_BATCH_TOKENS = {"cpu": 8192, "cuda": 16384}
 
 
 def _positive_int_or_auto(value: Any) -> int | str:

@@ -12,10 +12,14 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
    earliest arrival. It gives up to cap(L) inputs in that same order: one [B, L] batch.
 4. Merging (max_merged_padding > 0): a batch with fewer than cap(L) inputs is topped up with
    queued inputs of other buckets (ready or not), padded to the largest bucket length among
-   them, so the batch still has a bucket shape. Step by step it adds the k longest inputs of
-   one other bucket (any k that fits), choosing the bucket and k that leave the least padding,
-   while the batch's waste 1 - sum(lengths) / (B * L') stays <= max_merged_padding and B stays
-   <= cap(L'). A batch its own bucket fills is never topped up.
+   them, so the batch still has a bucket shape. For each target length T >= L that holds
+   inputs, the candidates are the inputs of bucket T, then of the next smaller bucket, and so
+   on (longest buckets first; within a bucket, priority then arrival): the first k of them
+   join, with k the largest such that the batch's waste 1 - sum(lengths) / (B * T) stays
+   <= max_merged_padding and B <= cap(T). The target giving the most inputs wins (then the
+   least waste, then the shorter T). A batch its own bucket fills is never topped up. The
+   inputs taken are heads of their FIFOs, so merging costs O(cap) per target, not a sort of
+   the queue.
 5. Compiled shapes (graph_sizes given: the CUDA graph batch sizes): a batch of n inputs runs
    at the smallest size >= n, the extra rows computed for nothing. When those rows would make
    the batch's waste 1 - sum(lengths) / (size * L) exceed max_merged_padding, the batch is cut
@@ -53,10 +57,8 @@ class QueuedInput:
     priority: int
     arrival: float
     seq: int  # global arrival counter
-
-    @property
-    def length(self) -> int:
-        return len(self.ids)
+    length: int  # len(ids)
+    bucket: int  # the bucket it waits in: the smallest boundary >= length
 
 
 @dataclass(slots=True)
@@ -127,11 +129,13 @@ class BucketQueue:
         prio = priority if self.use_priority else 0
         lookup = self.spec.lookup
         for index, ids in enumerate(id_lists):
-            bucket = self._buckets[lookup(len(ids))]
+            n = len(ids)
+            length = lookup(n)
+            bucket = self._buckets[length]
             fifo = bucket.fifos.get(prio)
             if fifo is None:
                 fifo = bucket.fifos[prio] = deque()
-            fifo.append(QueuedInput(ids, request, index, prio, now, self._seq))
+            fifo.append(QueuedInput(ids, request, index, prio, now, self._seq, n, length))
             bucket.live += 1
             self._seq += 1
 
@@ -227,7 +231,7 @@ class BucketQueue:
             return
         kept, back = batch.items[:down], batch.items[down:]
         for item in back:
-            bucket = self._buckets[self.spec.lookup(item.length)]
+            bucket = self._buckets[item.bucket]
             fifo = bucket.fifos.get(item.priority)
             if fifo is None:
                 fifo = bucket.fifos[item.priority] = deque()
@@ -237,8 +241,8 @@ class BucketQueue:
             fifo.insert(i, item)
             bucket.live += 1
         batch.items = kept
-        batch.length = max(self.spec.lookup(item.length) for item in kept)
-        batch.merged = any(self.spec.lookup(item.length) != batch.length for item in kept)
+        batch.length = max(item.bucket for item in kept)
+        batch.merged = any(item.bucket != batch.length for item in kept)
 
     def _take(self, length: int, n: int) -> list[QueuedInput]:
         """Up to n live inputs of one bucket, best first (priority, then arrival)."""
@@ -257,53 +261,80 @@ class BucketQueue:
                 break
         return taken
 
+    def _live_in_order(self, length: int) -> Iterator[QueuedInput]:
+        """Live inputs of one bucket, best first (priority, then arrival)."""
+        bucket = self._buckets[length]
+        for prio in sorted(bucket.fifos):
+            for item in bucket.fifos[prio]:
+                if not item.request.done:
+                    yield item
+
     def _merge(self, batch: Batch) -> None:
         """Tops the batch up with other buckets' inputs within the padding bound (point 4)."""
         items = batch.items
-        # Candidates of each other bucket, longest first (least padding at a given length),
-        # ties by priority / arrival. cursor[b]: how many of them are already taken.
-        candidates = {
-            b: sorted((it for fifo in bk.fifos.values() for it in fifo if not it.request.done),
-                      key=lambda it: (-it.length, it.priority, it.seq))
-            for b, bk in self._buckets.items() if bk.live and b != batch.length}
-        candidates = {b: c for b, c in candidates.items() if c}
-        cursor = dict.fromkeys(candidates, 0)
+        n = len(items)
         useful = sum(item.length for item in items)
-        length = batch.length
-        while True:
-            # (waste after adding, -k, bucket, k): the least padding, then the most inputs.
-            best: tuple[float, int, int, int] | None = None
-            for b, cands in candidates.items():
-                new_len = max(length, b)
-                added = 0
-                # Adding k > 1 at once matters when b is larger than the batch: one long
-                # input alone may not dilute the padding of the short ones enough, a few do.
-                for k in range(1, min(len(cands) - cursor[b],
-                                      self.capacity(new_len) - len(items)) + 1):
-                    added += cands[cursor[b] + k - 1].length
-                    waste = 1.0 - (useful + added) / ((len(items) + k) * new_len)
-                    option = (waste, -k, b, k)
-                    if waste <= self.max_merged_padding and (best is None or option < best):
-                        best = option
-            if best is None:
-                break
-            _, _, b, k = best
-            for item in candidates[b][cursor[b]:cursor[b] + k]:
-                items.append(item)
-                useful += item.length
-            cursor[b] += k
-            length = max(length, b)
-        for b, n in cursor.items():
-            if not n:
-                continue
-            taken = {id(item) for item in candidates[b][:n]}
-            bucket = self._buckets[b]
-            for prio, fifo in list(bucket.fifos.items()):
-                kept = deque(item for item in fifo if id(item) not in taken)
-                if kept:
-                    bucket.fifos[prio] = kept
-                else:
-                    del bucket.fifos[prio]
-            bucket.live -= n
-        batch.merged = any(self.spec.lookup(item.length) != length for item in items)
+        bound = self.max_merged_padding
+        bounds = self.spec.boundaries
+        first = bounds.index(batch.length)
+        best: tuple[int, float, int] | None = None  # (-(n + k), waste, T index) of the best
+        best_take: list[QueuedInput] = []
+        for t in range(first, len(bounds)):
+            T = bounds[t]
+            room = self.capacity(T) - n
+            if room <= 0:
+                break  # larger T hold no more inputs (capacity falls with length)
+            if (n * T - useful) / ((n + room) * T) > bound:
+                continue  # even `room` inputs of length T could not dilute the padding enough
+            if t > first and not self._buckets[T].live:
+                continue  # T is only a batch length when an input of bucket T joins
+            taken: list[QueuedInput] = []
+            k_best, waste_best, total = 0, 0.0, useful
+            for b in range(t, -1, -1):
+                if len(taken) == room:
+                    break
+                if b == first and t == first:
+                    continue  # the batch's own bucket: already taken
+                below = bounds[b] < (1.0 - bound) * T
+                for item in self._live_in_order(bounds[b]):
+                    taken.append(item)
+                    total += item.length
+                    waste = 1.0 - total / ((n + len(taken)) * T)
+                    if waste <= bound:
+                        k_best, waste_best = len(taken), waste
+                    elif below:
+                        break  # shorter inputs only lower the average further
+                    if len(taken) == room:
+                        break
+                if below and 1.0 - total / ((n + len(taken)) * T) > bound:
+                    break
+            if k_best and (best is None or (-(n + k_best), waste_best, t) < best):
+                best = (-(n + k_best), waste_best, t)
+                best_take = taken[:k_best]
+        if best is None:
+            return
+        length = bounds[best[2]]
+        for item in best_take:
+            items.append(item)
+        self._remove(best_take)
         batch.length = length
+        batch.merged = any(item.bucket != length for item in items)
+
+    def _remove(self, taken: list[QueuedInput]) -> None:
+        """Takes these queued inputs out of their buckets. _merge takes the live heads of
+        FIFOs in order, so they come off the front (dead inputs between them too)."""
+        wanted = {id(item) for item in taken}
+        for length in {item.bucket for item in taken}:
+            bucket = self._buckets[length]
+            for prio in list(bucket.fifos):
+                fifo = bucket.fifos[prio]
+                while fifo and wanted and (id(fifo[0]) in wanted or fifo[0].request.done):
+                    wanted.discard(id(fifo.popleft()))
+                    bucket.live -= 1
+                if wanted and any(id(item) in wanted for item in fifo):  # not at the front
+                    kept = deque(item for item in fifo if id(item) not in wanted)
+                    bucket.live -= len(fifo) - len(kept)
+                    wanted -= {id(item) for item in fifo}
+                    bucket.fifos[prio] = fifo = kept
+                if not fifo:
+                    del bucket.fifos[prio]
