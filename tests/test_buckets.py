@@ -35,7 +35,7 @@ DOCUMENTED_DEFAULTS = {
                   "batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256],
                   "preferred_batch_size": "auto", "max_batch_tokens": "auto",
                   "max_queue_delay_ms": 5.0,
-                  "max_inputs_per_request": 2048, "max_merged_padding": 0.1},
+                  "max_inputs_per_request": 2048, "max_merged_padding": "auto"},
 }
 
 
@@ -243,7 +243,8 @@ INVALID = [
     ("[embedding]\nmax_merged_padding = 1.5\n", "embedding.max_merged_padding", ["1.5", "[0, 1]"]),
     ("[embedding]\nmax_merged_padding = -0.1\n", "embedding.max_merged_padding", ["[0, 1]"]),
     ("[embedding]\nmax_merged_padding = nan\n", "embedding.max_merged_padding", ["nan", "[0, 1]"]),
-    ('[embedding]\nmax_merged_padding = "10%"\n', "embedding.max_merged_padding", ["string"]),
+    ('[embedding]\nmax_merged_padding = "10%"\n', "embedding.max_merged_padding",
+     ["string", 'or "auto"']),
     # policy
     ('[scheduler]\npolicy = "lifo"\n', "scheduler.policy", ["'lifo'", '"fcfs"', '"priority"']),
     ('[scheduler]\npolicy = "FCFS"\n', "scheduler.policy", ['did you mean "fcfs"']),
@@ -270,12 +271,15 @@ def test_embedding_auto_batch_by_device(tmp_path: Path) -> None:
     assert (emb.batch_size("cpu"), emb.batch_tokens("cpu")) == (32, 8192)
     assert (emb.batch_size("cuda"), emb.batch_tokens("cuda")) == (64, 16384)
     assert emb.batch_size("mps") == 32  # other devices: the CPU values
+    assert (emb.merged_padding("cpu"), emb.merged_padding("cuda")) == (0.1, 0.05)
     path = write(tmp_path, "[embedding]\npreferred_batch_size = 8\nmax_batch_tokens = 1024\n"
                            "batch_sizes = [2, 8]\nboundaries = [16, 512]\n")
     emb = load_buckets(path).embedding
     assert emb.batch_sizes == (2, 8)
     assert [emb.batch_size(d) for d in ("cpu", "cuda")] == [8, 8]
     assert [emb.batch_tokens(d) for d in ("cpu", "cuda")] == [1024, 1024]
+    path = write(tmp_path, "[embedding]\nmax_merged_padding = 0\n")
+    assert load_buckets(path).embedding.merged_padding("cuda") == 0.0
 
 
 def test_config_error_is_value_error() -> None:

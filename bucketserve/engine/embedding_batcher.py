@@ -179,7 +179,7 @@ class EmbeddingBatcher:
                     pad_token_id: int, device_type: str = "cpu") -> EmbeddingBatcher:
         return cls(encode, cfg.boundaries, cfg.batch_size(device_type),
                    cfg.batch_tokens(device_type), cfg.max_queue_delay_ms, queue_timeout_s,
-                   max_waiting, policy, pad_token_id, cfg.max_merged_padding)
+                   max_waiting, policy, pad_token_id, cfg.merged_padding(device_type))
 
     @property
     def max_len(self) -> int:
