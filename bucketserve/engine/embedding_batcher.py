@@ -22,6 +22,7 @@ import asyncio
 import logging
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -93,10 +94,8 @@ class BatcherStats:
         self.computed_tokens += (padded_rows or size) * bucket_len
         self.useful_tokens += sum(lengths)
         self.num_inputs += size
-        for d in delays_s:
-            slot = next((i for i, b in enumerate(QUEUE_DELAY_BUCKETS) if d <= b),
-                        len(QUEUE_DELAY_BUCKETS))
-            self.queue_delay_counts[slot] += 1
+        for d in delays_s:  # slot: the first bucket with d <= its bound, else +Inf
+            self.queue_delay_counts[bisect_left(QUEUE_DELAY_BUCKETS, d)] += 1
             self.queue_delay_sum_s += d
 
 
