@@ -27,6 +27,15 @@ pytestmark = [pytest.mark.gpu,
 MIN_COSINE = 0.9999
 
 
+def corpus(n: int, seed: int) -> list[str]:
+    """n texts of 8..250 random in-vocabulary words (as bench/embeddings_gpu.py's corpus)."""
+    with open(minilm_dir() / "vocab.txt", encoding="utf-8") as f:
+        words = [w.strip() for w in f]
+    words = [w for w in words if w.isalpha() and w.isascii() and len(w) > 2]
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(8, 250))) for _ in range(n)]
+
+
 @pytest.fixture(scope="module")
 def st32():
     from sentence_transformers import SentenceTransformer
@@ -96,8 +105,6 @@ def test_every_captured_shape_and_the_eager_fallback(dtype, st32):
 
 
 def test_texts_through_the_batcher_match_st(st32):
-    from bench.embeddings_gpu import corpus
-
     loaded = load("float16")
     texts = corpus(3000, seed=1)
     buckets = load_buckets().check_model(embedding_max_len=loaded.max_seq_length)

@@ -24,6 +24,15 @@ from bucketserve.models.bert_loader import load_embedding_model
 MIN_COSINE = 0.9999
 
 
+def corpus(n: int, seed: int) -> list[str]:
+    """n texts of 8..250 random in-vocabulary words (as bench/embeddings_gpu.py's corpus)."""
+    with open(minilm_dir() / "vocab.txt", encoding="utf-8") as f:
+        words = [w.strip() for w in f]
+    words = [w for w in words if w.isalpha() and w.isascii() and len(w) > 2]
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(8, 250))) for _ in range(n)]
+
+
 @pytest.fixture(scope="module")
 def ours():
     return load_embedding_model("all-minilm-l6-v2")
@@ -109,8 +118,6 @@ ASCII_EDGE_CASES = [
 
 def test_ascii_fast_path_gives_the_full_tokenizers_ids(ours, mixed_texts):
     from tokenizers import Tokenizer
-
-    from bench.embeddings_gpu import corpus
 
     tok = ours.tokenizer
     assert tok._plain is not None  # MiniLM's BertNormalizer: the fast path is on
