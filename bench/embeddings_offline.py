@@ -29,6 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # this script starts, so that every system measured runs under the same OpenMP wait policy.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -70,7 +71,7 @@ def sorted_batch_waste(lengths: list[int], batch_size: int) -> float:
 
 def run_ours(loaded: LoadedEmbeddingModel, texts: list[str], batcher_kw: dict
              ) -> tuple[float, torch.Tensor, EmbeddingBatcher]:
-    async def go() -> tuple[list[torch.Tensor], EmbeddingBatcher]:
+    async def go() -> tuple[list, EmbeddingBatcher]:
         batcher = EmbeddingBatcher(loaded.model, pad_token_id=loaded.config.pad_token_id,
                                    **batcher_kw)
         batcher.start()
@@ -82,7 +83,7 @@ def run_ours(loaded: LoadedEmbeddingModel, texts: list[str], batcher_kw: dict
 
     t0 = time.perf_counter()
     vectors, batcher = asyncio.run(go())
-    return time.perf_counter() - t0, torch.stack(vectors), batcher
+    return time.perf_counter() - t0, torch.from_numpy(np.stack(vectors)), batcher
 
 
 def run_st(st, texts: list[str]) -> tuple[float, torch.Tensor]:
@@ -115,17 +116,17 @@ def main() -> None:
     emb = cfg.embedding
     boundaries = (tuple(int(b) for b in args.boundaries.split(",")) if args.boundaries
                   else emb.boundaries)
-    batcher_kw = dict(boundaries=boundaries, preferred_batch_size=emb.preferred_batch_size,
-                      max_batch_tokens=args.batch_tokens or emb.max_batch_tokens,
+    batcher_kw = dict(boundaries=boundaries, preferred_batch_size=emb.batch_size("cpu"),
+                      max_batch_tokens=args.batch_tokens or emb.batch_tokens("cpu"),
                       max_queue_delay_ms=emb.max_queue_delay_ms,
-                      max_merged_padding=(emb.max_merged_padding if args.max_merged_padding is None
-                                          else args.max_merged_padding))
+                      max_merged_padding=(emb.merged_padding("cpu") if args.max_merged_padding
+                                          is None else args.max_merged_padding))
     st = SentenceTransformer(str(loaded.path), device="cpu")
     texts = make_corpus(loaded.tokenizer, args.n)
     lengths = [len(ids) for ids in loaded.tokenizer.encode_batch(texts)]
     print(f"corpus: {len(texts)} texts, tokens {min(lengths)}..{max(lengths)}, "
           f"mean {statistics.mean(lengths):.1f}; torch threads {torch.get_num_threads()}; "
-          f"buckets {list(boundaries)}, preferred batch {emb.preferred_batch_size}, "
+          f"buckets {list(boundaries)}, preferred batch {batcher_kw['preferred_batch_size']}, "
           f"max_batch_tokens {batcher_kw['max_batch_tokens']}, max_merged_padding "
           f"{batcher_kw['max_merged_padding']}", flush=True)
 

@@ -33,9 +33,11 @@ DOCUMENTED_DEFAULTS = {
                   "max_prefill_share": 0.25},
     "kv_cache": {"block_size": 16, "cpu_memory_gib": 2.0, "gpu_memory_fraction": 0.9,
                  "prefix_caching": True},
-    "embedding": {"boundaries": [*range(8, 257, 8), 320, 384, 448, 512], "preferred_batch_size": 32,
-                  "max_batch_tokens": 8192, "max_queue_delay_ms": 5.0,
-                  "max_inputs_per_request": 2048, "max_merged_padding": 0.1},
+    "embedding": {"boundaries": [*range(8, 257, 8), 320, 384, 448, 512],
+                  "batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256],
+                  "preferred_batch_size": "auto", "max_batch_tokens": "auto",
+                  "max_queue_delay_ms": 5.0,
+                  "max_inputs_per_request": 2048, "max_merged_padding": "auto"},
 }
 
 
@@ -214,6 +216,14 @@ INVALID = [
     ("[scheduler]\nmax_batched_tokens = 8192.0\n", "scheduler.max_batched_tokens",
      ["float", 'or "auto"']),
     ("[embedding]\npreferred_batch_size = 0\n", "embedding.preferred_batch_size", [">= 1"]),
+    ('[embedding]\npreferred_batch_size = "big"\n', "embedding.preferred_batch_size",
+     ["'big'", 'or "auto"']),
+    ("[embedding]\nmax_batch_tokens = 8192.0\n", "embedding.max_batch_tokens",
+     ["float", 'or "auto"']),
+    ("[embedding]\nbatch_sizes = [4, 2]\n", "embedding.batch_sizes",
+     ["element 1 (2)", "strictly increasing"]),
+    ("[embedding]\nbatch_sizes = []\n", "embedding.batch_sizes", ["empty array"]),
+    ("[embedding]\nbatch_sizes = [0, 8]\n", "embedding.batch_sizes", ["element 0", "positive"]),
     ("[embedding]\nmax_inputs_per_request = false\n", "embedding.max_inputs_per_request",
      ["boolean"]),
     # boundary / batch-size arrays
@@ -243,7 +253,8 @@ INVALID = [
     ("[embedding]\nmax_merged_padding = 1.5\n", "embedding.max_merged_padding", ["1.5", "[0, 1]"]),
     ("[embedding]\nmax_merged_padding = -0.1\n", "embedding.max_merged_padding", ["[0, 1]"]),
     ("[embedding]\nmax_merged_padding = nan\n", "embedding.max_merged_padding", ["nan", "[0, 1]"]),
-    ('[embedding]\nmax_merged_padding = "10%"\n', "embedding.max_merged_padding", ["string"]),
+    ('[embedding]\nmax_merged_padding = "10%"\n', "embedding.max_merged_padding",
+     ["string", 'or "auto"']),
     # policy
     ('[scheduler]\npolicy = "lifo"\n', "scheduler.policy", ["'lifo'", '"fcfs"', '"priority"']),
     ('[scheduler]\npolicy = "FCFS"\n', "scheduler.policy", ['did you mean "fcfs"']),
@@ -263,6 +274,22 @@ def test_invalid_value_names_key(tmp_path: Path, text: str, key: str, fragments:
     assert str(err).startswith(f"{path}: {key}: "), str(err)
     for fragment in fragments:
         assert fragment in str(err), (fragment, str(err))
+
+
+def test_embedding_auto_batch_by_device(tmp_path: Path) -> None:
+    emb = load_buckets().embedding
+    assert (emb.batch_size("cpu"), emb.batch_tokens("cpu")) == (32, 8192)
+    assert (emb.batch_size("cuda"), emb.batch_tokens("cuda")) == (64, 16384)
+    assert emb.batch_size("mps") == 32  # other devices: the CPU values
+    assert (emb.merged_padding("cpu"), emb.merged_padding("cuda")) == (0.1, 0.05)
+    path = write(tmp_path, "[embedding]\npreferred_batch_size = 8\nmax_batch_tokens = 1024\n"
+                           "batch_sizes = [2, 8]\nboundaries = [16, 512]\n")
+    emb = load_buckets(path).embedding
+    assert emb.batch_sizes == (2, 8)
+    assert [emb.batch_size(d) for d in ("cpu", "cuda")] == [8, 8]
+    assert [emb.batch_tokens(d) for d in ("cpu", "cuda")] == [1024, 1024]
+    path = write(tmp_path, "[embedding]\nmax_merged_padding = 0\n")
+    assert load_buckets(path).embedding.merged_padding("cuda") == 0.0
 
 
 def test_config_error_is_value_error() -> None:

@@ -12,6 +12,7 @@ import json
 import random
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,15 @@ from bucketserve.engine.embedding_batcher import EmbeddingBatcher
 from bucketserve.models.bert_loader import load_embedding_model
 
 MIN_COSINE = 0.9999
+
+
+def corpus(n: int, seed: int) -> list[str]:
+    """n texts of 8..250 random in-vocabulary words (as bench/embeddings_gpu.py's corpus)."""
+    with open(minilm_dir() / "vocab.txt", encoding="utf-8") as f:
+        words = [w.strip() for w in f]
+    words = [w for w in words if w.isalpha() and w.isascii() and len(w) > 2]
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(8, 250))) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +102,39 @@ def test_tokenization_matches_sentence_transformers(ours, st_model, mixed_texts)
     assert ours.max_seq_length == st_model.max_seq_length == 256
 
 
+ASCII_EDGE_CASES = [
+    "Plain ASCII, Mixed CASE and punctuation: (a) [b] {c}!?",
+    "tabs\tnewlines\nreturns\r and  double  spaces",
+    "control \x00 \x07 \x1b[31m chars \x7f removed by clean_text",
+    "vertical\x0btab and form\x0cfeed",
+    "[CLS] [SEP] [MASK] [PAD] [UNK] as text, and [mask] [cls] lower-case",
+    "a" * 150 + " over-long word, " + "supercalifragilisticexpialidocious" * 3,
+    "don't stop-believing; it's 3.14159 o'clock @home #1 $5 ~tilde `tick`",
+    "café naïve déjà vu",  # not ASCII: the full tokenizer
+    "   ",
+    "x",
+]
+
+
+def test_ascii_fast_path_gives_the_full_tokenizers_ids(ours, mixed_texts):
+    from tokenizers import Tokenizer
+
+    tok = ours.tokenizer
+    assert tok._plain is not None  # MiniLM's BertNormalizer: the fast path is on
+    full = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
+    full.no_padding()
+    full.no_truncation()
+    texts = ASCII_EDGE_CASES + mixed_texts + corpus(300, seed=7)
+    assert sum(tok._fast_text(t) is not None for t in texts) > 300  # most take it
+    assert tok._fast_text("[MASK] x") is None and tok._fast_text("caf\u00e9") is None
+    assert tok.encode_batch(texts) == [e.ids for e in full.encode_batch(texts)]
+    # each alone (all-fast and all-full batches) and truncated
+    for t in ASCII_EDGE_CASES:
+        assert tok.encode(t) == full.encode(t).ids, t
+    full.enable_truncation(16)  # the tokenizer's own truncation: the reference
+    assert tok.encode_batch(texts, max_length=16) == [e.ids for e in full.encode_batch(texts)]
+
+
 def test_truncation_matches_sentence_transformers(ours, st_model):
     text = "word " * 400
     ids = ours.tokenizer.encode_batch([text], max_length=256)[0]
@@ -157,7 +200,8 @@ def _batched(ours, token_ids, groups, **batcher_kw) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * len(token_ids)
     for g, vecs in zip(groups, results, strict=True):
         for i, v in zip(g, vecs, strict=True):
-            out[i] = v
+            assert isinstance(v, np.ndarray) and v.dtype == np.float32  # numpy rows, no tensors
+            out[i] = torch.from_numpy(v)
     # Every bucket ran at its own length: rows were padded to a boundary, never beyond.
     assert set(batcher.stats.batches_per_bucket) <= set(batcher_kw["boundaries"])
     if batcher_kw.get("max_merged_padding"):  # the layout is meant to merge buckets

@@ -162,20 +162,31 @@ class BertEncoder(nn.Module):
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [B, L] long, attention_mask [B, L] bool or None -> hidden [B, L, H]."""
-        x = self.embeddings(input_ids, token_type_ids)
-        # A mask with no padding changes nothing; None lets SDPA take its unmasked fast path.
-        # Otherwise the boolean key mask becomes an additive one (0 / -inf) [B, 1, 1, L] once
-        # here: SDPA would convert a boolean mask again in every layer (two extra ops each,
-        # which on a busy CPU cost as much as a GEMM). Every row keeps >= 1 real key ([CLS]).
+        # A mask with no padding changes nothing; None lets SDPA take its unmasked fast path
+        # (checking costs a host sync: forward_keys below is the sync-free variant).
         key_mask = None
         if attention_mask is not None and not bool(attention_mask.all()):
-            key_mask = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
-            key_mask = key_mask.masked_fill_(~attention_mask, -math.inf)[:, None, None, :]
+            key_mask = additive_key_mask(attention_mask, self.embeddings.LayerNorm.weight.dtype)
+        return self.forward_keys(input_ids, key_mask, token_type_ids)
+
+    def forward_keys(self, input_ids: torch.Tensor, key_mask: torch.Tensor | None,
+                     token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, L] long, key_mask [B, 1, 1, L] additive (0 / -inf) or None -> hidden
+        [B, L, H]. No host sync: CUDA graphs capture this."""
+        x = self.embeddings(input_ids, token_type_ids)
         B, L, H = x.shape
         x = x.view(B * L, H)
         for layer in self.layers:
             x = layer(x, B, key_mask)
         return x.view(B, L, H)
+
+
+def additive_key_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean key mask [B, L] (True = real) -> additive [B, 1, 1, L] (0 / -inf), built once
+    per forward: SDPA would convert a boolean mask again in every layer (two extra ops each,
+    which on a busy CPU cost as much as a GEMM). Every row keeps >= 1 real key ([CLS])."""
+    key_mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return key_mask.masked_fill_(~mask, -math.inf)[:, None, None, :]
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: tuple[str, ...]) -> torch.Tensor:
@@ -232,7 +243,24 @@ class BertEmbeddingModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """input_ids [B, L] long, attention_mask [B, L] bool -> embeddings [B, D] float32."""
         hidden = self.encoder(input_ids, attention_mask)
-        out = pool(hidden, attention_mask, self.pooling).float()
+        return self._finish(hidden, attention_mask)
+
+    @torch.inference_mode()
+    def embed_lengths(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, L] (int32 or long), lengths [B] (each 1..L; row b holds lengths[b]
+        real tokens then padding) -> embeddings [B, D] float32. Always masks and never syncs
+        with the host, so one CUDA graph per (B, L) can capture it; padding rows of a graph
+        are just rows of length 1."""
+        L = input_ids.shape[1]
+        mask = torch.arange(L, device=input_ids.device)[None, :] < lengths[:, None]  # [B, L]
+        key_mask = additive_key_mask(mask, self.encoder.embeddings.LayerNorm.weight.dtype)
+        hidden = self.encoder.forward_keys(input_ids.long(), key_mask)
+        return self._finish(hidden, mask)
+
+    def _finish(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # Pooling sums up to L vectors: done in float32 so that half-precision models lose
+        # nothing there (cosine vs the float32 reference stays >= 0.9999).
+        out = pool(hidden.float(), mask, self.pooling)
         if self.normalize:
             out = F.normalize(out, p=2.0, dim=-1)
         return out

@@ -10,6 +10,9 @@ as the complete model input. `truncate_prompt_tokens` (-1 = the model's maximum)
 sentence-transformers does (keeps the start; strings keep their special tokens) instead of
 refusing long inputs. Vectors come back in input order, as floats or as base64 of
 little-endian float32 (OpenAI's encoding).
+
+On a CUDA device the encoder runs as CUDA graphs, one per (batch size, length bucket), captured
+when the service is built, before the server accepts requests (engine/embedding_runner.py).
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from bucketserve.engine.embedding_batcher import (
     EmbeddingBatcher,
     EncoderError,
     QueueTimeoutError,
+    build_batcher,
 )
+from bucketserve.engine.embedding_runner import CudaGraphRunner
 from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.outputs import QueueFullError
 from bucketserve.models.bert_loader import LoadedEmbeddingModel, load_embedding_model
@@ -126,19 +131,18 @@ class EmbeddingService:
         buckets = buckets.check_model(embedding_max_len=loaded.max_seq_length)
         self.loaded = loaded
         self.model_name = loaded.name
-        device = next(loaded.model.parameters()).device
-
+        self.batcher = build_batcher(loaded.model, loaded.config.pad_token_id, buckets)
+        runner = self.batcher.runner
+        self.graphs = runner if isinstance(runner, CudaGraphRunner) else None
         faults = FaultPlan.from_env()  # test-only hook (engine/faults.py); None normally
+        if faults is not None:
+            launch = runner.launch
 
-        def encode(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            if faults is not None:
-                faults.fire("encode", input_ids[:, 0].tolist())
-            return loaded.model(input_ids.to(device), mask.to(device))
+            def launch_with_faults(rows: list[list[int]], length: int):
+                faults.fire("encode", (row[0] for row in rows))
+                return launch(rows, length)
 
-        self.batcher = EmbeddingBatcher.from_config(
-            encode, buckets.embedding, queue_timeout_s=buckets.queue_timeout_s,
-            max_waiting=buckets.max_waiting, policy=buckets.policy,
-            pad_token_id=loaded.config.pad_token_id)
+            runner.launch = launch_with_faults
         self.max_inputs = buckets.embedding.max_inputs_per_request
         # Longest input served: the model's limit, or a smaller last bucket from the user's file.
         self.max_input_tokens = min(loaded.max_seq_length, self.batcher.max_len)
@@ -282,17 +286,26 @@ def parse_input(inp: Any) -> list[str] | list[list[int]]:
     return inp
 
 
-def _to_base64(v: torch.Tensor) -> str:
-    # OpenAI's base64 encoding: the vector's little-endian float32 bytes.
-    return base64.b64encode(np.ascontiguousarray(v.numpy(), dtype="<f4").tobytes()).decode()
+def base64_rows(mat: np.ndarray) -> list[str]:
+    """OpenAI's base64 encoding of each row of mat [N, D]: the row's little-endian float32
+    bytes. When a row is a multiple of 3 bytes (D % 3 == 0: 384, 768, ...), base64 of the
+    whole matrix splits exactly at row boundaries: one encode for the batch, then slices."""
+    mat = np.ascontiguousarray(mat, dtype="<f4")
+    row_bytes = mat.shape[1] * 4
+    if row_bytes % 3:
+        return [base64.b64encode(row.tobytes()).decode("ascii") for row in mat]
+    text = base64.b64encode(mat.tobytes()).decode("ascii")
+    step = row_bytes // 3 * 4
+    return [text[i:i + step] for i in range(0, len(text), step)]
 
 
-def _render(vectors: list[torch.Tensor], encoding_format: str, model: str, used: int) -> bytes:
+def _render(vectors: list[np.ndarray], encoding_format: str, model: str, used: int) -> bytes:
     """OpenAI's response body, vectors in input order."""
+    mat = np.stack(vectors)  # [N, D] float32
     if encoding_format == "base64":
-        embeddings: list = [_to_base64(v) for v in vectors]
+        embeddings: list = base64_rows(mat)
     else:
-        embeddings = torch.stack(vectors).tolist()
+        embeddings = mat.tolist()
     data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(embeddings)]
     body = {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": used, "total_tokens": used}}
@@ -302,10 +315,12 @@ def _render(vectors: list[torch.Tensor], encoding_format: str, model: str, used:
 def build_add_on(model: str = "all-minilm-l6-v2", device: str = "cpu",
                  dtype: torch.dtype = torch.float32,
                  buckets: BucketsConfig | None = None) -> EmbeddingService:
-    """Load the embedding model and build its service (cli.py calls this for --embedding-model)."""
+    """Load the embedding model and build its service (cli.py calls this for --embedding-model);
+    on CUDA this captures the encoder's graphs (logged: how many, how long, how much memory)."""
     loaded = load_embedding_model(model, device=device, dtype=dtype)
     service = EmbeddingService(loaded, buckets if buckets is not None else load_buckets())
-    # One tiny forward so the first request does not pay for lazy initialisation.
-    ids = torch.zeros((1, service.batcher.spec.boundaries[0]), dtype=torch.long, device=device)
-    loaded.model(ids, torch.ones_like(ids, dtype=torch.bool))
+    if service.graphs is None:  # one tiny forward: the first request pays no lazy set-up
+        ids = torch.zeros((1, service.batcher.spec.boundaries[0]), dtype=torch.long,
+                          device=device)
+        loaded.model(ids, torch.ones_like(ids, dtype=torch.bool))
     return service

@@ -1,0 +1,340 @@
+"""The embedding batcher's queue: which bucket runs next, merging, deadlines. No threads, no
+clock: every method takes `now`, so its tests step time by hand instead of sleeping.
+
+Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under its lock):
+
+1. Each input waits on its own in the bucket of its length: the smallest boundary >= len(ids).
+   Within a bucket, inputs wait in one FIFO per priority value (policy "fcfs": all share one).
+2. A bucket of length L holds at most cap(L) = min(preferred_batch_size, max_batch_tokens // L)
+   inputs per batch. It is *ready* when it holds cap(L) live inputs, or when its oldest input
+   has waited max_queue_delay_s.
+3. Among ready buckets, the one holding the best input runs: lowest priority value, then the
+   earliest arrival. It gives up to cap(L) inputs in that same order: one [B, L] batch.
+4. Merging (max_merged_padding > 0): a batch with fewer than cap(L) inputs is topped up with
+   queued inputs of other buckets (ready or not), padded to the largest bucket length among
+   them, so the batch still has a bucket shape. For each target length T >= L that holds
+   inputs, the candidates are the inputs of bucket T, then of the next smaller bucket, and so
+   on (longest buckets first; within a bucket, priority then arrival): the first k of them
+   join, with k the largest such that the batch's waste 1 - sum(lengths) / (B * T) stays
+   <= max_merged_padding and B <= cap(T). The target giving the most inputs wins (then the
+   least waste, then the shorter T). A batch its own bucket fills is never topped up. The
+   inputs taken are heads of their FIFOs, so merging costs O(cap) per target, not a sort of
+   the queue.
+5. Compiled shapes (graph_sizes given: the CUDA graph batch sizes): a batch of n inputs runs
+   at the smallest size >= n, the extra rows computed for nothing. When those rows would make
+   the batch's waste 1 - sum(lengths) / (size * L) exceed max_merged_padding, the batch is cut
+   to the largest size <= n instead and the inputs cut off go back to their queues (they run
+   next, at their own exact size or with later arrivals). Above the largest size a batch runs
+   eagerly at its own size: no padding rows.
+6. Inputs of requests that finished early (cancelled, failed, timed out) are skipped when they
+   reach the head of a FIFO, or swept out of the buckets `mark_dead` names. `expired(now)`
+   hands back the requests whose oldest input waited longer than queue_timeout_s.
+
+Per batch the work is O(buckets x priorities + B), not O(inputs queued): an offline request
+of 20,000 inputs is drained in ~600 batches without rescanning the queue each time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from bucketserve.buckets import BucketSpec, round_up_batch_size
+
+
+def batch_capacity(length: int, preferred_batch_size: int, max_batch_tokens: int) -> int:
+    """Most inputs in one batch of bucket length `length` (docstring point 2)."""
+    return max(1, min(preferred_batch_size, max_batch_tokens // length))
+
+
+@dataclass(slots=True)
+class QueuedInput:
+    ids: Any  # a sequence of token ids (list or 1-D int array)
+    request: Any  # the owner; anything with a boolean `done` attribute
+    index: int  # position of this input in its request
+    priority: int
+    arrival: float
+    seq: int  # global arrival counter
+    length: int  # len(ids)
+    bucket: int  # the bucket it waits in: the smallest boundary >= length
+
+
+@dataclass(slots=True)
+class Batch:
+    length: int  # the bucket length every row is padded to
+    items: list[QueuedInput]
+    merged: bool = False  # holds inputs of more than one bucket
+
+    @property
+    def size(self) -> int:
+        return len(self.items)
+
+
+@dataclass
+class _Bucket:
+    fifos: dict[int, deque[QueuedInput]] = field(default_factory=dict)  # priority -> FIFO
+    live: int = 0  # inputs queued here whose request is not done (skipped ones excluded)
+
+    def heads(self) -> Iterator[QueuedInput]:
+        """The live head of every non-empty FIFO (dead heads are dropped on the way)."""
+        for prio in list(self.fifos):
+            fifo = self.fifos[prio]
+            while fifo and fifo[0].request.done:
+                fifo.popleft()
+                self.live -= 1
+            if fifo:
+                yield fifo[0]
+            else:
+                del self.fifos[prio]
+
+
+class BucketQueue:
+    def __init__(self, boundaries: Iterable[int], preferred_batch_size: int,
+                 max_batch_tokens: int, max_queue_delay_s: float, use_priority: bool = True,
+                 max_merged_padding: float = 0.0, queue_timeout_s: float = 600.0,
+                 graph_sizes: Iterable[int] | None = None) -> None:
+        self.spec = BucketSpec(boundaries)
+        if max_batch_tokens < self.spec.max_len:
+            raise ValueError(f"max_batch_tokens {max_batch_tokens} is below the last boundary "
+                             f"{self.spec.max_len}; raise it to at least {self.spec.max_len}")
+        if not 0.0 <= max_merged_padding <= 1.0:
+            raise ValueError(f"max_merged_padding {max_merged_padding} is not a fraction in "
+                             "[0, 1]; 0 turns bucket merging off")
+        self.preferred_batch_size = preferred_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_queue_delay_s = max_queue_delay_s
+        self.use_priority = use_priority
+        self.max_merged_padding = max_merged_padding
+        self.queue_timeout_s = queue_timeout_s
+        self.graph_sizes = sorted(set(graph_sizes)) if graph_sizes else None
+        self._buckets = {b: _Bucket() for b in self.spec.boundaries}
+        self._seq = 0
+
+    def capacity(self, bucket_len: int) -> int:
+        """Most inputs in one batch of this bucket."""
+        return batch_capacity(bucket_len, self.preferred_batch_size, self.max_batch_tokens)
+
+    @property
+    def num_live(self) -> int:
+        return sum(b.live for b in self._buckets.values())
+
+    def live_per_bucket(self) -> dict[int, int]:
+        return {length: b.live for length, b in self._buckets.items() if b.live}
+
+    # ------------------------------------------------------------------ adding / removing
+    def add(self, request: Any, id_lists: Iterable[Any], priority: int, now: float) -> None:
+        """Queue every input of `request` (lengths must be 1..spec.max_len)."""
+        prio = priority if self.use_priority else 0
+        lookup = self.spec.lookup
+        for index, ids in enumerate(id_lists):
+            n = len(ids)
+            length = lookup(n)
+            bucket = self._buckets[length]
+            fifo = bucket.fifos.get(prio)
+            if fifo is None:
+                fifo = bucket.fifos[prio] = deque()
+            fifo.append(QueuedInput(ids, request, index, prio, now, self._seq, n, length))
+            bucket.live += 1
+            self._seq += 1
+
+    def mark_dead(self, bucket_lengths: Iterable[int]) -> None:
+        """A request queued in these buckets finished early: sweep its inputs out of them."""
+        for length in set(bucket_lengths):
+            bucket = self._buckets[length]
+            for prio, fifo in list(bucket.fifos.items()):
+                kept = deque(item for item in fifo if not item.request.done)
+                if kept:
+                    bucket.fifos[prio] = kept
+                else:
+                    del bucket.fifos[prio]
+            bucket.live = sum(map(len, bucket.fifos.values()))
+
+    def drain(self) -> list[QueuedInput]:
+        """Remove and return every queued input (shutdown)."""
+        out = [item for b in self._buckets.values() for fifo in b.fifos.values() for item in fifo]
+        for b in self._buckets.values():
+            b.fifos.clear()
+            b.live = 0
+        return out
+
+    def expired(self, now: float) -> list[Any]:
+        """Requests (distinct, live) with an input queued longer than queue_timeout_s."""
+        out: dict[int, Any] = {}
+        for bucket in self._buckets.values():
+            for head in bucket.heads():
+                if now - head.arrival <= self.queue_timeout_s:
+                    continue
+                for fifo in bucket.fifos.values():
+                    for item in fifo:
+                        if now - item.arrival > self.queue_timeout_s and not item.request.done:
+                            out[id(item.request)] = item.request
+        return list(out.values())
+
+    # ------------------------------------------------------------------ choosing a batch
+    def _oldest(self, bucket: _Bucket) -> float | None:
+        return min((h.arrival for h in bucket.heads()), default=None)
+
+    def next_wake(self, now: float) -> float | None:
+        """When the earliest not-yet-ready bucket becomes ready by delay (None: nothing
+        queued); a value <= now means some bucket is ready."""
+        wake = None
+        for length, bucket in self._buckets.items():
+            oldest = self._oldest(bucket)
+            if oldest is None:
+                continue
+            at = now if bucket.live >= self.capacity(length) else oldest + self.max_queue_delay_s
+            wake = at if wake is None else min(wake, at)
+        return wake
+
+    def pop_batch(self, now: float) -> Batch | None:
+        """The next batch to run (docstring points 2-4), removed from the queue; None when no
+        bucket is ready."""
+        best: tuple[tuple[int, int], int] | None = None
+        for length, bucket in self._buckets.items():
+            heads = list(bucket.heads())
+            if not heads:
+                continue
+            ready = (bucket.live >= self.capacity(length)
+                     or min(h.arrival for h in heads) + self.max_queue_delay_s <= now)
+            if ready:
+                key = min((h.priority, h.seq) for h in heads)
+                if best is None or key < best[0]:
+                    best = (key, length)
+        if best is None:
+            return None
+        length = best[1]
+        items = self._take(length, self.capacity(length))
+        batch = Batch(length, items)
+        if len(items) < self.capacity(length) and self.max_merged_padding > 0:
+            self._merge(batch)
+        if self.graph_sizes:
+            self._fit_graph_size(batch)
+        return batch
+
+    def padded_size(self, n: int) -> int:
+        """Rows a batch of n inputs is computed at (point 5)."""
+        if not self.graph_sizes:
+            return n
+        return round_up_batch_size(n, self.graph_sizes) or n
+
+    def _fit_graph_size(self, batch: Batch) -> None:
+        """Point 5: cut the batch to a captured size when padding rows would waste too much."""
+        n = batch.size
+        up = self.padded_size(n)
+        useful = sum(item.length for item in batch.items)
+        if up == n or 1.0 - useful / (up * batch.length) <= self.max_merged_padding:
+            return
+        down = max((b for b in self.graph_sizes or () if b <= n), default=None)
+        if down is None:
+            return
+        kept, back = batch.items[:down], batch.items[down:]
+        for item in back:
+            bucket = self._buckets[item.bucket]
+            fifo = bucket.fifos.get(item.priority)
+            if fifo is None:
+                fifo = bucket.fifos[item.priority] = deque()
+            i = 0  # back in arrival order (these are mostly at the front)
+            while i < len(fifo) and fifo[i].seq < item.seq:
+                i += 1
+            fifo.insert(i, item)
+            bucket.live += 1
+        batch.items = kept
+        batch.length = max(item.bucket for item in kept)
+        batch.merged = any(item.bucket != batch.length for item in kept)
+
+    def _take(self, length: int, n: int) -> list[QueuedInput]:
+        """Up to n live inputs of one bucket, best first (priority, then arrival)."""
+        bucket = self._buckets[length]
+        taken: list[QueuedInput] = []
+        for prio in sorted(bucket.fifos):
+            fifo = bucket.fifos[prio]
+            while fifo and len(taken) < n:
+                item = fifo.popleft()
+                bucket.live -= 1
+                if not item.request.done:
+                    taken.append(item)
+            if not fifo:
+                del bucket.fifos[prio]
+            if len(taken) == n:
+                break
+        return taken
+
+    def _live_in_order(self, length: int) -> Iterator[QueuedInput]:
+        """Live inputs of one bucket, best first (priority, then arrival)."""
+        bucket = self._buckets[length]
+        for prio in sorted(bucket.fifos):
+            for item in bucket.fifos[prio]:
+                if not item.request.done:
+                    yield item
+
+    def _merge(self, batch: Batch) -> None:
+        """Tops the batch up with other buckets' inputs within the padding bound (point 4)."""
+        items = batch.items
+        n = len(items)
+        useful = sum(item.length for item in items)
+        bound = self.max_merged_padding
+        bounds = self.spec.boundaries
+        first = bounds.index(batch.length)
+        best: tuple[int, float, int] | None = None  # (-(n + k), waste, T index) of the best
+        best_take: list[QueuedInput] = []
+        for t in range(first, len(bounds)):
+            T = bounds[t]
+            room = self.capacity(T) - n
+            if room <= 0:
+                break  # larger T hold no more inputs (capacity falls with length)
+            if (n * T - useful) / ((n + room) * T) > bound:
+                continue  # even `room` inputs of length T could not dilute the padding enough
+            if t > first and not self._buckets[T].live:
+                continue  # T is only a batch length when an input of bucket T joins
+            taken: list[QueuedInput] = []
+            k_best, waste_best, total = 0, 0.0, useful
+            for b in range(t, -1, -1):
+                if len(taken) == room:
+                    break
+                if b == first and t == first:
+                    continue  # the batch's own bucket: already taken
+                below = bounds[b] < (1.0 - bound) * T
+                for item in self._live_in_order(bounds[b]):
+                    taken.append(item)
+                    total += item.length
+                    waste = 1.0 - total / ((n + len(taken)) * T)
+                    if waste <= bound:
+                        k_best, waste_best = len(taken), waste
+                    elif below:
+                        break  # shorter inputs only lower the average further
+                    if len(taken) == room:
+                        break
+                if below and 1.0 - total / ((n + len(taken)) * T) > bound:
+                    break
+            if k_best and (best is None or (-(n + k_best), waste_best, t) < best):
+                best = (-(n + k_best), waste_best, t)
+                best_take = taken[:k_best]
+        if best is None:
+            return
+        length = bounds[best[2]]
+        for item in best_take:
+            items.append(item)
+        self._remove(best_take)
+        batch.length = length
+        batch.merged = any(item.bucket != length for item in items)
+
+    def _remove(self, taken: list[QueuedInput]) -> None:
+        """Takes these queued inputs out of their buckets. _merge takes the live heads of
+        FIFOs in order, so they come off the front (dead inputs between them too)."""
+        wanted = {id(item) for item in taken}
+        for length in {item.bucket for item in taken}:
+            bucket = self._buckets[length]
+            for prio in list(bucket.fifos):
+                fifo = bucket.fifos[prio]
+                while fifo and wanted and (id(fifo[0]) in wanted or fifo[0].request.done):
+                    wanted.discard(id(fifo.popleft()))
+                    bucket.live -= 1
+                if wanted and any(id(item) in wanted for item in fifo):  # not at the front
+                    kept = deque(item for item in fifo if id(item) not in wanted)
+                    bucket.live -= len(fifo) - len(kept)
+                    wanted -= {id(item) for item in fifo}
+                    bucket.fifos[prio] = fifo = kept
+                if not fifo:
+                    del bucket.fifos[prio]
