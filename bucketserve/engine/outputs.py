@@ -24,5 +24,6 @@ class RequestOutput:
     num_output_tokens: int
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
-    # in the final output only: arrival, first_scheduled, first_token, finished (monotonic s)
+    # in the final output only: arrival, first_scheduled, first_token, finished (monotonic s),
+    # bucket (the prefill length bucket of the request's first step)
     metrics: dict[str, float] = field(default_factory=dict)

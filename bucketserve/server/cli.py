@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted")
+    s.add_argument("--request-log", default=None, metavar="FILE",
+                   help="append one JSON line per finished request (timings, lengths, bucket)")
+    s.add_argument("--request-log-text", action="store_true",
+                   help="with --request-log: also log the generated text (never logged otherwise)")
+    from bucketserve.bench.cli import add_bench_parser, add_tune_parser
+
+    add_bench_parser(sub)
+    add_tune_parser(sub)
     return parser
 
 
@@ -127,6 +135,10 @@ def serve(args: argparse.Namespace) -> int:
         return 2
 
     ctx = ServerContext(engine, shutdown_timeout_s=args.shutdown_timeout)
+    if args.request_log:
+        from bucketserve.server.request_log import RequestLog
+
+        ctx.metrics.request_log = RequestLog(args.request_log, text=args.request_log_text)
     app = create_app(ctx, api_key=args.api_key, max_body_bytes=args.max_body_bytes, add_ons=add_ons)
     # Our drain (begin_drain) decides when streams end; sse-starlette must not cut them first.
     AppStatus.disable_automatic_graceful_drain()
@@ -155,10 +167,18 @@ def _ignore(sig: int, frame: FrameType | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return serve(args)
+    if args.command == "bench":
+        from bucketserve.bench.cli import run_bench
+
+        return run_bench(args)
+    if args.command == "tune-buckets":
+        from bucketserve.bench.cli import run_tune
+
+        return run_tune(args)
     return 2
 
 

@@ -18,6 +18,7 @@ import asyncio
 import base64
 import json
 import logging
+import time
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
@@ -39,6 +40,7 @@ from bucketserve.engine.embedding_batcher import (
 from bucketserve.engine.outputs import QueueFullError
 from bucketserve.models.bert_loader import LoadedEmbeddingModel, load_embedding_model
 from bucketserve.server.errors import APIError, invalid_request, overloaded
+from bucketserve.server.request_log import RequestLog
 
 log = logging.getLogger("bucketserve.embeddings")
 
@@ -150,11 +152,14 @@ class EmbeddingService:
             ctx = getattr(request.app.state, "ctx", None)
             if ctx is not None and ctx.inflight.draining:
                 raise overloaded("the server is shutting down; retry later", "shutting_down")
-            return await self.create(body)
+            return await self.create(body, getattr(getattr(ctx, "metrics", None),
+                                                   "request_log", None))
 
         return router
 
-    async def create(self, body: EmbeddingRequest) -> Response:
+    async def create(self, body: EmbeddingRequest, request_log: RequestLog | None = None
+                     ) -> Response:
+        arrival = time.monotonic()
         self._check_fields(body)
         token_ids = await self._token_ids(body)
         try:
@@ -166,6 +171,10 @@ class EmbeddingService:
         except BatcherStoppedError as exc:
             raise overloaded(str(exc), "shutting_down") from exc
         used = sum(len(ids) for ids in token_ids)
+        if request_log is not None:
+            lengths = [len(ids) for ids in token_ids]
+            spec = self.batcher.spec
+            request_log.record_embeddings(arrival, lengths, [spec.lookup(n) for n in lengths])
         args = (vectors, body.encoding_format, self.model_name, used)
         if len(vectors) <= _INLINE_RENDER_MAX:
             content = _render(*args)
