@@ -45,6 +45,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--seed", type=int, default=0)
     src.add_argument("--limit", type=int, default=None, help="only the first N requests")
     src.add_argument("--save-trace", metavar="FILE", help="write the requests as a trace JSONL")
+    src.add_argument("--dry-run", action="store_true",
+                     help="build (and --save-trace) the requests, send nothing")
     mode = b.add_argument_group("load")
     mode.add_argument("--concurrency", type=int, default=None,
                       help="closed loop with C requests in flight (cap of an open loop)")
@@ -87,7 +89,7 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--waste-per-gib", type=float, default=0.1,
                    help="padding fraction one GiB of shapes is worth: a shape is added only "
                         "where it saves more padding than its memory costs")
-    t.add_argument("--align", type=int, default=8,
+    t.add_argument("--align", type=int, default=1,
                    help="length boundaries are multiples of this (1: any length)")
     t.add_argument("--max-model-len", type=int, default=2048,
                    help="the LLM's context: prefill boundaries stay <= it")
@@ -146,6 +148,10 @@ async def _bench(args: argparse.Namespace) -> int:
     reqs = load_requests(args)
     if args.save_trace:
         save_trace(reqs, args.save_trace)
+    if args.dry_run:
+        print(f"{len(reqs)} requests" + (f" written to {args.save_trace}" if args.save_trace
+                                          else ""))
+        return 0
     if args.rate is not None:
         import numpy as np
 

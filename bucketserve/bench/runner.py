@@ -320,7 +320,10 @@ async def run(cfg: RunConfig, reqs: list[BenchRequest]) -> tuple[list[dict], flo
         results = await client_run(client, cfg, t0, cfg.concurrency)
     else:
         conc = cfg.concurrency
-        ctx = mp.get_context("spawn")
+        # fork: the workers inherit the imported modules (spawn would import them again,
+        # torch included when started from the `bucketserve` CLI); asyncio drops the
+        # parent's running loop in a forked child
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         pipes, procs = [], []
         for w in range(n):
             per = None if conc is None else conc // n + (w < conc % n)

@@ -35,7 +35,7 @@ class TuneLimits:
     memory_gib: float = 2.0
     graph_mib: float = 32.0
     waste_per_gib: float = 0.1
-    align: int = 8
+    align: int = 1
     max_model_len: int = 2048
     embedding_max_len: int = 512
     max_running: int = 256
