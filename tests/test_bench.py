@@ -138,7 +138,9 @@ def test_tune_buckets_beats_default_padding_and_passes_checker(tmp_path, capsys)
     text = tuner.tune_file(str(trace), limits)
     out = tmp_path / "tuned.toml"
     out.write_text(text)
-    assert buckets_check(["check", str(out)]) == 0
+    assert buckets_check(["check", str(out), "--embedding-max-len",
+                          str(limits.embedding_max_len), "--max-model-len",
+                          str(limits.max_model_len)]) == 0
     capsys.readouterr()
     tuned, default = load_buckets(str(out)), load_buckets()
     assert len(tuned.prefill_boundaries) <= limits.max_graphs

@@ -93,9 +93,9 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
                    help="length boundaries are multiples of this (1: any length)")
     t.add_argument("--max-model-len", type=int, default=2048,
                    help="the LLM's context: prefill boundaries stay <= it")
-    t.add_argument("--embedding-max-len", type=int, default=512,
-                   help="the encoder's maximum input: the last embedding boundary, so longer "
-                        "inputs than the trace's are still served")
+    t.add_argument("--embedding-max-len", type=int, default=256,
+                   help="the encoder's maximum input length (256: all-MiniLM-L6-v2): the last "
+                        "embedding boundary, so inputs longer than the trace's are still served")
     t.add_argument("--max-running", type=int, default=256, help="[scheduler] max_running")
     t.add_argument("--base", metavar="FILE", default=None,
                    help="buckets TOML whose other keys the output keeps (default: shipped)")

@@ -235,6 +235,7 @@ class Client:
                 await asyncio.wait_for(conn.request(self.wire[i], handler),
                                        self.cfg.request_timeout_s)
             except asyncio.TimeoutError:
+                conn.handler = None  # the close below must not overwrite the error
                 conn.close()
                 res["error"] = f"timed out after {self.cfg.request_timeout_s} s"
                 return res

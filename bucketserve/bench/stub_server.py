@@ -162,7 +162,9 @@ class StubConnection(asyncio.Protocol):
 async def serve(host: str, port: int, step_ms: float = 0.0, ready=None) -> None:
     server = StubServer(step_ms / 1000.0)
     loop = asyncio.get_running_loop()
-    srv = await loop.create_server(lambda: StubConnection(server), host, port, backlog=4096)
+    # reuse_port: several stub processes can share one port (the kernel spreads connections)
+    srv = await loop.create_server(lambda: StubConnection(server), host, port, backlog=4096,
+                                   reuse_port=True)
     stepper = asyncio.create_task(server.step_loop())
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -37,7 +37,7 @@ class TuneLimits:
     waste_per_gib: float = 0.1
     align: int = 1
     max_model_len: int = 2048
-    embedding_max_len: int = 512
+    embedding_max_len: int = 256
     max_running: int = 256
 
 
