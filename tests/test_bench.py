@@ -391,3 +391,42 @@ def test_bench_cli_against_stub_server(tmp_path):
     finally:
         stub.terminate()
         stub.wait(10)
+
+
+def test_embeddings_route_writes_the_request_log(tmp_path):
+    from types import SimpleNamespace
+
+    import httpx
+    from fastapi import FastAPI
+
+    from bucketserve.models.bert_loader import load_embedding_model
+    from bucketserve.server.embeddings import EmbeddingService
+    from bucketserve.server.errors import install_exception_handlers
+
+    service = EmbeddingService(load_embedding_model("all-minilm-l6-v2"), load_buckets())
+    app = FastAPI()
+    install_exception_handlers(app)
+    app.include_router(service.router)
+    path = tmp_path / "log.jsonl"
+    log = RequestLog(str(path))
+    app.state.ctx = SimpleNamespace(inflight=SimpleNamespace(draining=False),
+                                    metrics=SimpleNamespace(request_log=log))
+
+    async def go():
+        await service.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                ok = await client.post("/v1/embeddings", json={"input": [[101, 7592, 102],
+                                                                          list(range(1000, 1020))]})
+                bad = await client.post("/v1/embeddings", json={"input": []})
+                return ok.status_code, bad.status_code
+        finally:
+            await service.shutdown(10.0)
+
+    assert asyncio.run(go()) == (200, 400)
+    log.close()
+    (line,) = [json.loads(x) for x in path.read_text().splitlines()]  # the 400 is not logged
+    assert line["endpoint"] == "embeddings" and line["input_tokens"] == [3, 20]
+    assert line["buckets"] == [service.batcher.spec.lookup(3), service.batcher.spec.lookup(20)]
+    assert line["e2e_s"] > 0 and "input" not in line

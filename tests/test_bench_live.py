@@ -58,6 +58,20 @@ def test_replay_against_live_server_logs_the_arrival_pattern(logged_server):
     # the whole span is reproduced to within a fraction of a mean gap per request
     assert abs(logged.sum() - planned.sum()) < 0.5 + 0.05 * planned.sum()
 
+    # chat requests are streamed, counted and logged as "chat"
+    done = subprocess.run([sys.executable, "-m", "bucketserve.bench", "bench", "--base-url",
+                           server.base_url, "--endpoint", "chat", "--num-requests", "3",
+                           "--prompt-len", "6", "--output-len", "3", "--concurrency", "3",
+                           "--out", str(work / "chat.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    chat = json.loads((work / "chat.json").read_text())
+    assert chat["completed"] == 3 and chat["total_output_tokens"] == 9
+    assert chat["token_events"] >= 3 and chat["ttft_ms"]["p50"] > 0
+    chat_lines = [json.loads(x) for x in log.read_text().splitlines()][N:]
+    assert [x["endpoint"] for x in chat_lines] == ["chat"] * 3
+    assert all(x["output_tokens"] == 3 for x in chat_lines)
+
     tuned = work / "tuned.toml"
     done = subprocess.run([sys.executable, "-m", "bucketserve.bench", "tune-buckets", str(log),
                            "--out", str(tuned)], capture_output=True, text=True, timeout=120)
