@@ -63,9 +63,15 @@ def main() -> int:
                              "requests_per_s": r["request_throughput"],
                              "token_events": r["token_events"], "errors": r["errors"],
                              "itl_p50_ms": r["itl_ms"]["p50"], "duration_s": r["duration_s"],
+                             "client_cpu_s": r["client_cpu_s"],
+                             "client_cpu_us_per_request": 1e6 * r["client_cpu_s"] / n,
+                             "client_cpu_us_per_token_event":
+                                 r["client_cpu_us_per_token_event"],
                              "machine": r["machine"]})
                 print(f"{load:>8} workers={workers}: {r['output_throughput']:,.0f} tok/s, "
-                      f"{r['request_throughput']:,.0f} req/s, errors {r['errors']}", flush=True)
+                      f"{r['request_throughput']:,.0f} req/s, errors {r['errors']}, client "
+                      f"{r['client_cpu_us_per_token_event']:.1f} CPU us per token event",
+                      flush=True)
     finally:
         for s in stubs:
             s.terminate()

@@ -332,7 +332,8 @@ def test_client_against_stub_closed_loop_counts_every_token():
         cfg = runner.RunConfig("127.0.0.1", port, "stub", concurrency=8)
         return await runner.run(cfg, reqs)
 
-    results, _, duration = asyncio.run(_with_stub(go))
+    results, _, duration, cpu_s = asyncio.run(_with_stub(go))
+    assert 0 < cpu_s
     assert duration > 0 and all(r["error"] is None for r in results)
     for r, req in zip(results, reqs, strict=True):
         if req.kind == "embedding":
@@ -351,7 +352,7 @@ def test_open_loop_sends_at_the_trace_times():
         cfg = runner.RunConfig("127.0.0.1", port, "stub", open_loop=True, speed=2.0)
         return await runner.run(cfg, reqs)
 
-    results, _, _ = asyncio.run(_with_stub(go))
+    results, _, _, _ = asyncio.run(_with_stub(go))
     sent = np.diff([r["start"] for r in results])
     planned = np.diff([r.arrival / 2.0 for r in reqs])
     # each send within a few timer ticks of its plan; the gap distributions agree
@@ -386,6 +387,7 @@ def test_bench_cli_against_stub_server(tmp_path):
         assert r["completed"] == 60 and r["total_output_tokens"] == 60 * 20
         assert r["goodput_requests_per_s"] == pytest.approx(r["request_throughput"])
         assert r["machine"]["cpu_count"] and r["server"]["scraped"] is False
+        assert r["client_cpu_s"] > 0 and r["client_cpu_us_per_token_event"] > 0
         figs = sorted(p.name for p in (tmp_path / "fig").iterdir())
         assert figs == ["latency_cdf.png", "padding_per_bucket.png", "throughput.png"]
     finally:

@@ -179,7 +179,7 @@ async def _bench(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     scrape_task = asyncio.create_task(scraper.run(stop)) if scraper else None
     wall0 = time.time()
-    results, t0, duration = await runner.run(cfg, reqs)
+    results, t0, duration, cpu_s = await runner.run(cfg, reqs)
     stop.set()
     if scrape_task:
         await scrape_task
@@ -193,7 +193,8 @@ async def _bench(args: argparse.Namespace) -> int:
     report = {"label": args.label, "base_url": args.base_url, "model": model, "mode": mode,
               "source": args.trace or args.workload or "generated", "workers": args.workers,
               "stream": cfg.stream, "ignore_eos": cfg.ignore_eos, "started_unix": wall0,
-              "machine": stats.machine(), **summary}
+              "machine": stats.machine(), **summary, "client_cpu_s": cpu_s,
+              "client_cpu_us_per_token_event": 1e6 * cpu_s / max(1, summary["token_events"])}
     if scraper is not None and scraper.samples:
         from bucketserve.bench.plots import server_summary
 

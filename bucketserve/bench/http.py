@@ -96,52 +96,51 @@ class Connection(asyncio.Protocol):
         if handler is None:
             return
         state = self.state
-        while True:
+        pos, end = 0, len(buf)  # an index into buf: no copy of the rest per chunk
+        while pos < end or state == _SIZE:
             if state == _SIZE:
-                i = buf.find(b"\r\n")
+                i = buf.find(b"\r\n", pos)
                 if i < 0:
                     break
-                size = int(buf[:i].split(b";", 1)[0], 16)
-                buf = buf[i + 2:]
+                line = buf[pos:i]
+                size = int(line.split(b";", 1)[0] if b";" in line else line, 16)
+                pos = i + 2
                 if size:
                     self.remaining = size
                     state = _DATA
                 else:
                     state = _TRAILER
             elif state == _DATA:
-                if not buf:
-                    break
                 n = self.remaining
-                if len(buf) <= n:
-                    handler.body(buf)
-                    self.remaining = n - len(buf)
-                    buf = b""
+                if end - pos <= n:
+                    handler.body(buf[pos:] if pos else buf)
+                    self.remaining = n - (end - pos)
+                    pos = end
                     if self.remaining:
                         break
                 else:
-                    handler.body(buf[:n])
-                    buf = buf[n:]
+                    handler.body(buf[pos:pos + n])
+                    pos += n
                     self.remaining = 0
                 state = _CRLF
             elif state == _CRLF:
-                if len(buf) < 2:
+                if end - pos < 2:
                     break
-                buf = buf[2:]
+                pos += 2
                 state = _SIZE
             elif state == _HEAD:
-                i = buf.find(b"\r\n\r\n")
+                i = buf.find(b"\r\n\r\n", pos)
                 if i < 0:
                     break
-                state = self._head(buf[:i], ts)
-                buf = buf[i + 4:]
+                state = self._head(buf[pos:i], ts)
+                pos = i + 4
                 if state == _IDLE:  # an empty body: the response has ended
                     return
             elif state == _LENGTH:
                 n = self.remaining
-                piece = buf[:n]
-                if piece:
-                    handler.body(piece)
-                buf = buf[len(piece):]
+                piece = buf[pos:pos + n]
+                handler.body(piece)
+                pos += len(piece)
                 self.remaining = n - len(piece)
                 if self.remaining == 0:
                     self.state = state
@@ -150,25 +149,24 @@ class Connection(asyncio.Protocol):
                     return
                 break
             elif state == _TRAILER:
-                i = buf.find(b"\r\n")
+                i = buf.find(b"\r\n", pos)
                 if i < 0:
                     break
-                line = buf[:i]
-                buf = buf[i + 2:]
-                if not line:
+                empty = i == pos
+                pos = i + 2
+                if empty:
                     self.state = state
                     handler.flush(ts)
                     self._finish(ts)
                     return
             elif state == _CLOSE:
-                if buf:
-                    handler.body(buf)
-                buf = b""
+                handler.body(buf[pos:])
+                pos = end
                 break
             else:
                 break
         self.state = state
-        self.buf = buf
+        self.buf = buf[pos:] if pos < end else b""
         handler.flush(ts)
 
     def _head(self, head: bytes, ts: float) -> int:

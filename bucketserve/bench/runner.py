@@ -99,26 +99,36 @@ class StreamHandler:
             self.event(ev, ts)
 
     def event(self, ev: bytes, ts: float) -> None:
-        if ev.startswith(b"data:"):
-            data = ev[5:].strip()
-        else:
-            i = ev.find(b"data:")
-            if i < 0:
-                return  # a comment (ping) or an event without data
-            data = ev[i + 5:].strip()
-        if data == b"[DONE]":
+        i = ev.find(b"data:")
+        if i < 0:
+            return  # a comment (ping) or an event without data
+        data = ev[i + 5:]
+        # The common case first: a chunk whose choice is still open (finish_reason null) is a
+        # token event (completions; chat: when its delta has content).
+        if _FINISH_NULL[0] in data or _FINISH_NULL[1] in data:
+            if not self.chat or ((_CONTENT[0] in data or _CONTENT[1] in data) and not (
+                    _EMPTY_CONTENT[0] in data or _EMPTY_CONTENT[1] in data)):
+                if self.chunks:
+                    self.itl.append(ts - self.last)
+                else:
+                    self.res["ttft"] = ts - self.start
+                self.last = ts
+                self.chunks += 1
+            if b'"usage"' not in data:
+                return
+        elif data.strip() == b"[DONE]":
             return
-        if b'"choices"' in data and not (_EMPTY_CHOICES[0] in data or _EMPTY_CHOICES[1] in data):
-            open_finish = _FINISH_NULL[0] in data or _FINISH_NULL[1] in data
+        elif b'"choices"' in data and not (_EMPTY_CHOICES[0] in data or
+                                           _EMPTY_CHOICES[1] in data):
+            # a closing choice: a token unless its text / content is empty
             if self.chat:
                 token = (_CONTENT[0] in data or _CONTENT[1] in data) and not (
                     _EMPTY_CONTENT[0] in data or _EMPTY_CONTENT[1] in data)
             else:
-                token = open_finish or not (_EMPTY_TEXT[0] in data or _EMPTY_TEXT[1] in data)
-            if not open_finish:
-                m = _FINISH.search(data)
-                if m:
-                    self.res["finish"] = m.group(1).decode()
+                token = not (_EMPTY_TEXT[0] in data or _EMPTY_TEXT[1] in data)
+            m = _FINISH.search(data)
+            if m:
+                self.res["finish"] = m.group(1).decode()
             if token:
                 if self.chunks:
                     self.itl.append(ts - self.last)
@@ -290,7 +300,9 @@ def _worker(conn, cfg: RunConfig, reqs: list[tuple[int, BenchRequest]],
         client = Client(cfg, reqs)  # request bytes built before the start
         conn.send("ready")
         t0 = await asyncio.to_thread(conn.recv)
-        return await client_run(client, cfg, t0, concurrency)
+        cpu = time.process_time()
+        results = await client_run(client, cfg, t0, concurrency)
+        return results, time.process_time() - cpu
 
     conn.send(asyncio.run(main()))
     conn.close()
@@ -310,15 +322,19 @@ async def client_run(client: Client, cfg: RunConfig, t0: float,
     return results
 
 
-async def run(cfg: RunConfig, reqs: list[BenchRequest]) -> tuple[list[dict], float, float]:
-    """All requests; returns (results in request order, t0, duration). t0 is on the
-    perf_counter clock (CLOCK_MONOTONIC: the same in every process of this machine)."""
+async def run(cfg: RunConfig, reqs: list[BenchRequest]
+              ) -> tuple[list[dict], float, float, float]:
+    """All requests; returns (results in request order, t0, duration, client CPU seconds).
+    t0 is on the perf_counter clock (CLOCK_MONOTONIC: the same in every process of this
+    machine); the CPU time is the sending processes' own, from the start to the end."""
     indexed = list(enumerate(reqs))
     n = max(1, min(cfg.workers, len(reqs)))
     if n == 1:
         client = Client(cfg, indexed)
         t0 = time.perf_counter() + 0.01
+        cpu = time.process_time()
         results = await client_run(client, cfg, t0, cfg.concurrency)
+        cpu_s = time.process_time() - cpu
     else:
         conc = cfg.concurrency
         # fork: the workers inherit the imported modules (spawn would import them again,
@@ -342,9 +358,10 @@ async def run(cfg: RunConfig, reqs: list[BenchRequest]) -> tuple[list[dict], flo
         parts = [await asyncio.to_thread(p.recv) for p in pipes]
         for proc in procs:
             proc.join()
-        results = [r for part in parts for r in part]
+        results = [r for part, _ in parts for r in part]
+        cpu_s = sum(c for _, c in parts)
     results.sort(key=lambda r: r["i"])
     ends = [r["start"] + (r["e2e"] if r["e2e"] is not None else 0.0)
             for r in results if r["start"] is not None]
     duration = max(ends) if ends else 0.0
-    return results, t0, duration
+    return results, t0, duration, cpu_s
