@@ -432,3 +432,15 @@ def test_embeddings_route_writes_the_request_log(tmp_path):
     assert line["endpoint"] == "embeddings" and line["input_tokens"] == [3, 20]
     assert line["buckets"] == [service.batcher.spec.lookup(3), service.batcher.spec.lookup(20)]
     assert line["e2e_s"] > 0 and "input" not in line
+
+
+def test_bucketserve_cli_has_bench_tune_and_request_log_flags():
+    from bucketserve.server.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "--trace", "t.jsonl", "--speed", "2", "--workers", "3"])
+    assert (args.command, args.trace, args.speed, args.workers) == ("bench", "t.jsonl", 2.0, 3)
+    args = parser.parse_args(["tune-buckets", "log.jsonl", "--max-graphs", "4"])
+    assert (args.command, args.trace, args.max_graphs) == ("tune-buckets", "log.jsonl", 4)
+    args = parser.parse_args(["serve", "--request-log", "r.jsonl"])
+    assert args.request_log == "r.jsonl" and args.request_log_text is False

@@ -21,7 +21,6 @@ padding per GiB; the counts minimising total padding fraction + memory cost are 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -336,6 +335,10 @@ def render_toml(tuned: Tuned, base_config, source: str, limits: TuneLimits) -> s
         values["decode"]["batch_sizes"] = tuned.decode.shapes
         notes[("decode", "batch_sizes")] = _comments(tuned.decode, "decode rows (time-weighted)",
                                                      "batch size")
+    elif tuned.prefill:
+        notes[("decode", "batch_sizes")] = [
+            "# not tuned: the trace has no decode timings (ttft_s and e2e_s per request, as a "
+            "--request-log writes them)"]
     if tuned.embedding:
         values["embedding"]["boundaries"] = tuned.embedding.shapes
         notes[("embedding", "boundaries")] = _comments(tuned.embedding, "input tokens", "boundary")
@@ -383,6 +386,3 @@ def _with_embedding_batch_sizes(config, sizes: list[int]):
 
     return replace(config, embedding=replace(config.embedding, batch_sizes=tuple(sizes)))
 
-
-def log2_ceil(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, n))))
