@@ -444,3 +444,17 @@ def test_bucketserve_cli_has_bench_tune_and_request_log_flags():
     assert (args.command, args.trace, args.max_graphs) == ("tune-buckets", "log.jsonl", 4)
     args = parser.parse_args(["serve", "--request-log", "r.jsonl"])
     assert args.request_log == "r.jsonl" and args.request_log_text is False
+
+
+def test_non_streaming_requests_take_usage_from_the_body():
+    reqs = generate(6, "8", "uniform:2:9", seed=8)
+
+    async def go(port):
+        cfg = runner.RunConfig("127.0.0.1", port, "stub", stream=False, concurrency=3)
+        return await runner.run(cfg, reqs)
+
+    results, _, duration, _ = asyncio.run(_with_stub(go))
+    assert [r["usage_completion_tokens"] for r in results] == [r.max_tokens for r in reqs]
+    assert all(r["finish"] == "length" and r["ttft"] == r["e2e"] > 0 for r in results)
+    assert stats.summarize(results, duration)["total_output_tokens"] == sum(
+        r.max_tokens for r in reqs)
