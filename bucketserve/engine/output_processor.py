@@ -111,6 +111,7 @@ class OutputProcessor:
             metrics["arrival"] = seq.arrival_time
             for key, value in (("first_scheduled", seq.first_scheduled_time),
                                ("first_token", seq.first_token_time),
+                               ("bucket", seq.prefill_bucket),
                                ("finished", time.monotonic())):
                 if value is not None:
                     metrics[key] = value

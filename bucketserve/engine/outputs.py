@@ -24,6 +24,7 @@ class RequestOutput:
     num_output_tokens: int
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
-    # in the final output: arrival, first_scheduled, first_token, finished (monotonic s);
-    # the engine's first output with tokens carries first_scheduled and first_token too
+    # in the final output: arrival, first_scheduled, first_token, finished (monotonic s),
+    # bucket (the prefill length bucket of the request's first step); the engine's first
+    # output with tokens carries first_scheduled and first_token too
     metrics: dict[str, float] = field(default_factory=dict)

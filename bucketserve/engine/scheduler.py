@@ -208,6 +208,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+                seq.prefill_bucket = bucket
             self.running.append(seq)
         if admitted:
             self.running.sort(key=self.rank)

@@ -137,6 +137,7 @@ class Sequence:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.prefill_bucket: int | None = None  # length bucket of its first scheduled step
         self.logprobs: list[TokenLogprob] = []
         self.generator: torch.Generator | None = None
         if params.seed is not None:

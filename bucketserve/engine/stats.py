@@ -36,6 +36,7 @@ class EngineStats:
         self.computed_tokens_total = 0
         self.useful_tokens_total = 0
         self.bucket_steps: Counter[tuple[str, int]] = Counter()
+        self.batch_sizes: Counter[tuple[str, int]] = Counter()  # (kind, sequences in the step)
         self.finished: Counter[str] = Counter()
         self.num_waiting = 0
         self.num_running = 0
@@ -55,6 +56,7 @@ class EngineStats:
             self.computed_tokens_total += s.computed_tokens
             self.useful_tokens_total += s.useful_tokens
             self.bucket_steps[(s.kind, s.bucket)] += 1
+            self.batch_sizes[(s.kind, s.num_seqs)] += 1
             self.num_waiting, self.num_running = s.num_waiting, s.num_running
             self.kv_blocks_used, self.kv_blocks_total = s.kv_blocks_used, s.kv_blocks_total
 
@@ -95,6 +97,7 @@ class EngineStats:
                 "computed_tokens_total": self.computed_tokens_total,
                 "useful_tokens_total": self.useful_tokens_total,
                 "bucket_steps": dict(self.bucket_steps),
+                "batch_sizes": dict(self.batch_sizes),
                 "finished": dict(self.finished),
                 "num_waiting": self.num_waiting,
                 "num_running": self.num_running,

@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-in-process", action="store_true",
                    help="run the engine core in a thread of the HTTP server's process instead of "
                         "its own process")
+    s.add_argument("--request-log", default=None, metavar="FILE",
+                   help="append one JSON line per finished request (timings, lengths, bucket)")
+    s.add_argument("--request-log-text", action="store_true",
+                   help="with --request-log: also log the generated text (never logged otherwise)")
+    from bucketserve.bench.cli import add_bench_parser, add_tune_parser
+
+    add_bench_parser(sub)
+    add_tune_parser(sub)
     return parser
 
 
@@ -145,6 +153,10 @@ def serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)  # no model work in this process: leave the cores to the engine
 
     ctx = ServerContext(engine, shutdown_timeout_s=args.shutdown_timeout)
+    if args.request_log:
+        from bucketserve.server.request_log import RequestLog
+
+        ctx.metrics.request_log = RequestLog(args.request_log, text=args.request_log_text)
     engine_failed = False
 
     def on_engine_dead() -> None:  # a part broke for good: drain, stop, exit 1
@@ -189,10 +201,18 @@ def _ignore(sig: int, frame: FrameType | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return serve(args)
+    if args.command == "bench":
+        from bucketserve.bench.cli import run_bench
+
+        return run_bench(args)
+    if args.command == "tune-buckets":
+        from bucketserve.bench.cli import run_tune
+
+        return run_tune(args)
     return 2
 
 

@@ -21,6 +21,7 @@ import asyncio
 import base64
 import json
 import logging
+import time
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
@@ -48,6 +49,7 @@ from bucketserve.models.bert_loader import LoadedEmbeddingModel, load_embedding_
 from bucketserve.server.errors import APIError, invalid_request, overloaded
 from bucketserve.server.generation import ClientGone, until_disconnect
 from bucketserve.server.protocol import check_text
+from bucketserve.server.request_log import RequestLog
 
 log = logging.getLogger("bucketserve.embeddings")
 
@@ -167,14 +169,17 @@ class EmbeddingService:
             ctx = getattr(request.app.state, "ctx", None)
             if ctx is not None and ctx.inflight.draining:
                 raise overloaded("the server is shutting down; retry later", "shutting_down")
+            request_log = getattr(getattr(ctx, "metrics", None), "request_log", None)
             try:  # a client gone drops its inputs that are still queued (batcher.embed)
-                return await until_disconnect(request, self.create(body))
+                return await until_disconnect(request, self.create(body, request_log))
             except ClientGone:
                 return Response(status_code=499)
 
         return router
 
-    async def create(self, body: EmbeddingRequest) -> Response:
+    async def create(self, body: EmbeddingRequest, request_log: RequestLog | None = None
+                     ) -> Response:
+        arrival = time.monotonic()
         self._check_fields(body)
         token_ids = await self._token_ids(body)
         try:
@@ -188,6 +193,10 @@ class EmbeddingService:
         except EncoderError as exc:
             raise APIError(500, str(exc), "server_error", None, "encoder_error") from exc
         used = sum(len(ids) for ids in token_ids)
+        if request_log is not None:
+            lengths = [len(ids) for ids in token_ids]
+            spec = self.batcher.spec
+            request_log.record_embeddings(arrival, lengths, [spec.lookup(n) for n in lengths])
         args = (vectors, body.encoding_format, self.model_name, used)
         if len(vectors) <= _INLINE_RENDER_MAX:
             content = _render(*args)

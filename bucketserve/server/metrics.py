@@ -16,11 +16,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from bucketserve.engine.outputs import RequestOutput
 from bucketserve.engine.stats import EngineStats
+from bucketserve.server.request_log import RequestLog
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                     60.0, 120.0, 300.0, 600.0)
@@ -64,12 +70,27 @@ class EngineStatsCollector(Collector):
         for (kind, bucket), count in sorted(snap["bucket_steps"].items()):
             steps.add_metric([kind, str(bucket)], count)
         yield steps
+        yield _batch_size_histogram(snap["batch_sizes"])
         finished = CounterMetricFamily("bucketserve_request_success",
                                        "Finished engine requests (one per choice) by finish reason.",
                                        labels=["finish_reason"])
         for reason, count in sorted(snap["finished"].items()):
             finished.add_metric([reason], count)
         yield finished
+
+
+def _batch_size_histogram(counts: dict[tuple[str, int], int]) -> HistogramMetricFamily:
+    """Sequences per engine step, per step kind, in power-of-two buckets."""
+    hist = HistogramMetricFamily("bucketserve_step_batch_size",
+                                 "Sequences per engine step, per step kind.", labels=["kind"])
+    for kind in sorted({k for k, _ in counts}):
+        sizes = {n: c for (k, n), c in counts.items() if k == kind}
+        top = max(sizes).bit_length()
+        bounds = [1 << i for i in range(top + 1)]
+        cumulative = [(str(le), sum(c for n, c in sizes.items() if n <= le)) for le in bounds]
+        cumulative.append(("+Inf", sum(sizes.values())))
+        hist.add_metric([kind], cumulative, sum_value=sum(n * c for n, c in sizes.items()))
+    return hist
 
 
 class ServerMetrics:
@@ -89,8 +110,11 @@ class ServerMetrics:
         self.queue_time = Histogram(
             "bucketserve_queue_time_seconds", "Arrival to first scheduled step.",
             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.request_log: RequestLog | None = None  # `serve --request-log FILE`
 
     def observe_finished(self, out: RequestOutput) -> None:
+        if self.request_log is not None:
+            self.request_log.record_generation(out)
         m = out.metrics
         arrival = m.get("arrival")
         if arrival is None:

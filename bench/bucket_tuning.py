@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Tuned buckets vs the shipped default on a skewed trace, and request-log replay fidelity.
+
+    PYTHONPATH=. python bench/bucket_tuning.py --out-dir bench/results/bucket_tuning_cpu [--device cpu]
+
+1. A seeded skewed trace: generation prompts clustered around 40 and 700 tokens, embedding
+   inputs around 12 and 180 tokens, Poisson arrivals.
+2. `bucketserve serve` with the shipped buckets and --request-log: the trace is replayed at its
+   pace (`bench --trace`), then run closed-loop (`bench --workload`, --concurrency) for
+   throughput. The replay's request log is kept.
+3. `bucketserve tune-buckets` on that request log -> tuned.toml (checked).
+4. The same server with tuned.toml: the *request log* of step 2 is replayed (its arrival
+   pattern), then the same closed-loop run.
+5. Inter-arrival gaps of the recorded log (step 2) vs the log recorded while replaying it
+   (step 4): histograms and the two-sample KS statistic.
+Everything lands in --out-dir: JSON per run, the logs, tuned.toml, figures, summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "bucketserve.server.cli", *args]
+
+
+def start(port: int, buckets: str | None, log: str, out_dir: str, name: str, device: str):
+    args = cli("serve", "--port", str(port), "--request-log", log, "--device", device,
+               "--log-level", "warning")
+    if buckets:
+        args += ["--buckets", buckets]
+    out = open(os.path.join(out_dir, f"server_{name}.log"), "wb")  # noqa: SIM115
+    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise SystemExit(f"server {name} exited {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"server {name} did not come up")
+
+
+def stop(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def bench(port: int, out_dir: str, name: str, *args: str) -> dict:
+    out = os.path.join(out_dir, f"{name}.json")
+    cmd = cli("bench", "--base-url", f"http://127.0.0.1:{port}", "--out", out, "--label", name,
+              "--embedding-model", "all-minilm-l6-v2", *args)
+    print("+", " ".join(cmd[3:]), flush=True)
+    subprocess.run(cmd, check=False)
+    with open(out) as f:
+        return json.load(f)
+
+
+def gaps(path: str) -> list[float]:
+    with open(path) as f:
+        times = sorted(json.loads(line)["arrival"] for line in f if line.strip())
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results", "bucket_tuning_cpu"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--requests", type=int, default=80)
+    ap.add_argument("--rate", type=float, default=1.0, help="trace arrival rate, requests/s")
+    ap.add_argument("--concurrency", type=int, default=8, help="closed-loop runs")
+    ap.add_argument("--output-len", default="16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the default-buckets runs already in --out-dir")
+    a = ap.parse_args()
+    os.makedirs(a.out_dir, exist_ok=True)
+    d = a.out_dir
+    trace = os.path.join(d, "skewed_trace.jsonl")
+    log_default = os.path.join(d, "request_log_default.jsonl")
+    summary: dict = {"trace": trace, "requests": a.requests, "rate": a.rate, "device": a.device}
+    port = free_port()
+    if a.resume and os.path.exists(log_default):
+        for run in ("default_replay", "default_closed"):
+            with open(os.path.join(d, f"{run}.json")) as f:
+                summary[run] = json.load(f)
+    else:
+        run_default(a, d, trace, log_default, port, summary)
+    tune_and_run_tuned(a, d, trace, log_default, port, summary)
+    return 0
+
+
+def run_default(a, d, trace, log_default, port, summary) -> None:
+    subprocess.run(cli("bench", "--num-requests", str(a.requests), "--seed", str(a.seed),
+                       "--rate", str(a.rate), "--output-len", a.output_len,
+                       "--prompt-len", "mix:0.7*normal:40:6:16:64+0.3*normal:700:50:560:840",
+                       "--embedding-fraction", "0.4", "--embedding-inputs", "uniform:1:8",
+                       "--embedding-len", "mix:0.6*normal:12:3:4:24+0.4*normal:180:15:140:220",
+                       "--save-trace", trace, "--dry-run"), check=True)
+    # default buckets: replay the trace (recording its log), then closed loop
+    live = os.path.join(d, ".live_default.jsonl")
+    for p in (log_default, live):
+        if os.path.exists(p):
+            os.remove(p)
+    proc = start(port, None, live, d, "default", a.device)
+    try:
+        summary["default_replay"] = bench(port, d, "default_replay", "--trace", trace,
+                                          "--plot", os.path.join(d, "plots_default"))
+        shutil.copy(live, log_default)
+        summary["default_closed"] = bench(port, d, "default_closed", "--workload", trace,
+                                          "--concurrency", str(a.concurrency))
+    finally:
+        stop(proc)
+    os.remove(live)
+
+
+def tune_and_run_tuned(a, d, trace, log_default, port, summary) -> None:
+    tuned = os.path.join(d, "tuned.toml")
+    subprocess.run(cli("tune-buckets", log_default, "--out", tuned), check=True)
+    check = subprocess.run([sys.executable, "-m", "bucketserve.buckets", "check", tuned],
+                           capture_output=True, text=True)
+    summary["tuned_check_rc"] = check.returncode
+
+    log_tuned = os.path.join(d, "request_log_tuned.jsonl")
+    live = os.path.join(d, ".live_tuned.jsonl")
+    for p in (log_tuned, live):
+        if os.path.exists(p):
+            os.remove(p)
+    proc = start(port, tuned, live, d, "tuned", a.device)
+    try:
+        summary["tuned_replay"] = bench(port, d, "tuned_replay", "--trace", log_default,
+                                        "--buckets", tuned,
+                                        "--plot", os.path.join(d, "plots_tuned"))
+        shutil.copy(live, log_tuned)
+        summary["tuned_closed"] = bench(port, d, "tuned_closed", "--workload", trace,
+                                        "--concurrency", str(a.concurrency), "--buckets", tuned)
+    finally:
+        stop(proc)
+    os.remove(live)
+
+    sys.path.insert(0, ROOT)
+    from bucketserve.bench.replay import compare_gaps, plot_gaps
+
+    g1, g2 = gaps(log_default), gaps(log_tuned)
+    summary["replay_fidelity"] = compare_gaps(g1, g2)
+    plot_gaps(g1, g2, os.path.join(d, "replay_interarrival.png"),
+              "recorded request log", "log recorded while replaying it")
+    brief = {}
+    for run in ("default_replay", "default_closed", "tuned_replay", "tuned_closed"):
+        r = summary[run]
+        brief[run] = {"output_tok_s": r["output_throughput"], "req_s": r["request_throughput"],
+                      "embedding_inputs_s": r.get("embedding", {}).get("inputs_per_s"),
+                      "errors": r["errors"],
+                      "engine_padding": r.get("server", {}).get("padding_waste"),
+                      "embedding_padding": r.get("server", {}).get("embedding_padding_waste"),
+                      "embedding_batches": r.get("server", {}).get("embedding_batches"),
+                      "ttft_p50_ms": r["ttft_ms"]["p50"], "e2e_p50_ms": r["e2e_ms"]["p50"],
+                      "load_avg": r["machine"].get("load_avg")}
+    summary["brief"] = brief
+    with open(os.path.join(d, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps({"brief": brief, "replay_fidelity": summary["replay_fidelity"]}, indent=2))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

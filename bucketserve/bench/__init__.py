@@ -1,0 +1,1 @@
+"""Load generation, trace replay, plots and bucket tuning (`bucketserve bench`, `tune-buckets`)."""
