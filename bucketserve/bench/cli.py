@@ -97,6 +97,8 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
                    help="the encoder's maximum input length (256: all-MiniLM-L6-v2): the last "
                         "embedding boundary, so inputs longer than the trace's are still served")
     t.add_argument("--max-running", type=int, default=256, help="[scheduler] max_running")
+    t.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="the device the file is for (its \"auto\" embedding batch settings)")
     t.add_argument("--base", metavar="FILE", default=None,
                    help="buckets TOML whose other keys the output keeps (default: shipped)")
     t.add_argument("--out", metavar="FILE", default=None, help="write the TOML here (default: stdout)")
@@ -238,7 +240,8 @@ def run_tune(args: argparse.Namespace) -> int:
     limits = TuneLimits(max_graphs=args.max_graphs, memory_gib=args.memory_gib,
                         graph_mib=args.graph_mib, waste_per_gib=args.waste_per_gib,
                         align=args.align, max_model_len=args.max_model_len,
-                        embedding_max_len=args.embedding_max_len, max_running=args.max_running)
+                        embedding_max_len=args.embedding_max_len, max_running=args.max_running,
+                        device=args.device)
     try:
         text = tune_file(args.trace, limits, base=args.base)
     except WorkloadError as exc:

@@ -38,6 +38,7 @@ class TuneLimits:
     max_model_len: int = 2048
     embedding_max_len: int = 256
     max_running: int = 256
+    device: str = "cpu"  # resolves the base file's "auto" embedding batch settings
 
 
 @dataclass
@@ -374,8 +375,8 @@ def tune_file(path: str, limits: TuneLimits, base: str | None = None) -> str:
     if not traffic.prompt_lens and not traffic.embed_lens:
         raise WorkloadError(f"{path}: no requests")
     emb = base_config.embedding
-    tuned = tune(traffic, limits, emb.max_queue_delay_ms / 1000.0, emb.preferred_batch_size,
-                 emb.max_batch_tokens)
+    tuned = tune(traffic, limits, emb.max_queue_delay_ms / 1000.0, emb.batch_size(limits.device),
+                 emb.batch_tokens(limits.device))
     if tuned.embedding_batch and embedding_batch_sizes_supported():
         base_config = _with_embedding_batch_sizes(base_config, tuned.embedding_batch.shapes)
     return render_toml(tuned, base_config, path, limits)
