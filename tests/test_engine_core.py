@@ -288,3 +288,39 @@ def test_prefix_cache_counters_cross_the_split(loaded, tmp_path) -> None:
     assert (ae.stats.prefix_cache_queries_total, ae.stats.prefix_cache_hits_total,
             ae.stats.prefix_cache_blocks) == (last.prefix_queries_total, 12,
                                               last.prefix_cached_blocks)
+
+
+def test_errors_cross_the_split_and_text_failures_end_the_request_in_the_front_end() -> None:
+    """A failed model step's error message reaches the client's output; a detokenizer failure
+    (the front end's, injected) fails only that request, which the core is told to finish."""
+    from bucketserve.engine.faults import FaultPlan
+    from bucketserve.engine.output_processor import TextProcessor
+
+    text = TextProcessor(ByteTokenizer(), FaultPlan.parse("detok:7"))
+    text.add("a", [1, 2], SamplingParams(max_tokens=8), 0.0)
+    text.add("b", [7, 2], SamplingParams(max_tokens=8), 0.0)
+    out, ended_here = text.process(SeqOutput("a", [], finish_reason="error",
+                                             error="the engine step failed: boom"))
+    assert out.finished and out.finish_reason == "error" and not ended_here
+    assert out.error == "the engine step failed: boom"
+    out, ended_here = text.process(SeqOutput("b", list(b"hi")))
+    assert ended_here and out.finished and out.finish_reason == "error"
+    assert "into text failed" in out.error and "InjectedFault" in out.error
+    assert text.process(SeqOutput("b", list(b"!")))[0] is None  # gone: later news is ignored
+
+    async def scenario() -> None:
+        core = FakeCore()
+        ae = AsyncEngine(core)
+        ae._text = TextProcessor(ByteTokenizer(), FaultPlan.parse("detok:7"))
+        ae.start()
+        stream = ae.generate([7, 9], SamplingParams(max_tokens=8), "d")
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        ae._on_step(step([SeqOutput("d", list(b"ok"))], num_added=1))
+        out = await first
+        assert out.finished and out.finish_reason == "error" and "into text failed" in out.error
+        assert isinstance(core.sent[-1], FinishRequests) and core.sent[-1].request_ids == ["d"]
+        ae._on_step(step([SeqOutput("d", [], finish_reason="stop")], num_added=1))
+        assert dict(ae.stats.finished) == {"error": 1}  # counted once, as the client saw it
+
+    run(scenario)

@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from bucketserve.engine.admission import admit
 from bucketserve.engine.core_client import CoreClient, ProcessCore, ThreadCore
+from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.llm_engine import LLMEngine
 from bucketserve.engine.messages import (
     AbortRequests,
@@ -52,9 +53,11 @@ class AsyncEngine:
         self.stats = EngineStats()
         self.stats.kv_blocks_total = core.kv_blocks_total
         self.on_dead: list[Callable[[], None]] = []
-        self._text = TextProcessor(core.tokenizer)
+        self._text = TextProcessor(core.tokenizer, FaultPlan.from_env())
         self._streams: dict[str, asyncio.Queue] = {}
-        self._stopped: set[str] = set()  # finished here by a stop string, not yet by the core
+        # finished here (a stop string: "stop"; text processing failed: "error"), not yet by
+        # the core: the reason to count once the core reports the finish
+        self._ended: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self._accepting = True
@@ -185,17 +188,18 @@ class AsyncEngine:
         stats.set_prefix_cache(msg.prefix_queries_total, msg.prefix_hits_total,
                                msg.prefix_cached_blocks)
         to_finish: list[str] = []
-        streams, text, stopped = self._streams, self._text, self._stopped
+        streams, text, ended = self._streams, self._text, self._ended
         for o in msg.outputs:
             rid = o.request_id
             stream = streams.get(rid)
-            out, hit_stop = text.process(o) if stream is not None else (None, False)
+            out, ended_here = text.process(o) if stream is not None else (None, False)
             if o.finish_reason is not None:
-                # the client's view of the finish: a stop string found here wins
-                stats.record_finished("stop" if hit_stop or rid in stopped else o.finish_reason)
-                stopped.discard(rid)
-            elif hit_stop:
-                stopped.add(rid)
+                # the client's view of the finish: one decided here (stop string, failed
+                # text) wins over the core's
+                reason = out.finish_reason if ended_here else ended.pop(rid, o.finish_reason)
+                stats.record_finished(reason)
+            elif ended_here:
+                ended[rid] = out.finish_reason
                 to_finish.append(rid)
             if out is not None:
                 stream.put_nowait(out)

@@ -121,7 +121,8 @@ class EngineCore:
 
 def seq_output(out: RequestOutput) -> SeqOutput:
     return SeqOutput(out.request_id, out.new_token_ids, out.finish_reason,
-                     out.new_logprobs or None, out.metrics or None)
+                     out.new_logprobs or None, out.metrics or None,
+                     out.error if out.finish_reason == "error" else None)
 
 
 def run_core_loop(core: EngineCore, receive: Callable[[float], Iterable[CoreInput]],

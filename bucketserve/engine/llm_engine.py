@@ -187,7 +187,7 @@ class LLMEngine:
             if token is None:
                 continue
             try:
-                if self.faults is not None:
+                if self.faults is not None and seq.params.detokenize:  # (else: front end's)
                     self.faults.fire("detok", (seq.token_ids[0],))
                 stop = self.outputs.on_token(seq, token, lp)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on

@@ -83,10 +83,11 @@ class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | "error"
     logprobs: list[TokenLogprob] | None = None  # only for requests that asked
     # monotonic seconds: first_scheduled / first_token with the first tokens, and at the end
     metrics: dict[str, float] | None = None
+    error: str | None = None  # with finish_reason "error": what failed (a failed model step)
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):

@@ -15,12 +15,16 @@ only gathered with its first tokens and when its request finishes.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from bucketserve.engine.detokenizer import StopStringMatcher, make_detokenizer
+from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.messages import SeqOutput
 from bucketserve.engine.outputs import RequestOutput
 from bucketserve.engine.sequence import FinishReason, SamplingParams, Sequence, TokenLogprob
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_ERROR = "the request waited in the queue longer than the queue timeout"
 
@@ -137,13 +141,14 @@ class OutputProcessor:
 class _Stream:
     """Front-end state of one request."""
 
-    __slots__ = ("state", "params", "num_prompt", "token_ids", "text", "metrics")
+    __slots__ = ("state", "params", "num_prompt", "first_token", "token_ids", "text", "metrics")
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
                  arrival_time: float) -> None:
         self.state = RequestState(prompt_token_ids, params, tokenizer)
         self.params = params
         self.num_prompt = len(prompt_token_ids)
+        self.first_token = prompt_token_ids[0] if prompt_token_ids else -1  # (fault markers)
         self.token_ids: list[int] = []
         self.text = ""
         self.metrics: dict[str, float] = {"arrival": arrival_time}
@@ -155,9 +160,10 @@ class TextProcessor:
     `add` a request with its real parameters (stop strings included) before its first
     output; `process` each of its SeqOutputs in order; the state goes once it finished."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, faults: FaultPlan | None = None) -> None:
         self.tokenizer = tokenizer
         self.streams: dict[str, _Stream] = {}
+        self.faults = faults  # test-only hook (engine/faults.py): "detok" rules fire here
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float) -> None:
@@ -167,8 +173,9 @@ class TextProcessor:
         self.streams.pop(request_id, None)
 
     def process(self, out: SeqOutput) -> tuple[RequestOutput | None, bool]:
-        """(the client's output, True when a stop string ended the request here); (None,
-        False) for a request that is not (or no longer) here."""
+        """(the client's output, True when the request ended here: a stop string, or its text
+        could not be made, which fails it with finish_reason "error"); (None, False) for a
+        request that is not (or no longer) here."""
         st = self.streams.get(out.request_id)
         if st is None:
             return None, False
@@ -176,12 +183,18 @@ class TextProcessor:
         ids = out.new_token_ids
         stopped = False
         old_len = len(st.text)
-        for k, token in enumerate(ids):
-            st.text += state.new_text(token)
-            if state.stop_matched:  # the tokens after this one never happened for the client
-                stopped = True
-                ids = ids[:k + 1]
-                break
+        try:
+            if self.faults is not None and ids:
+                self.faults.fire("detok", (st.first_token,))
+            for k, token in enumerate(ids):
+                st.text += state.new_text(token)
+                if state.stop_matched:  # the tokens after this one never happened for the client
+                    stopped = True
+                    ids = ids[:k + 1]
+                    break
+        except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+            log.exception("output processing failed for %s", out.request_id)
+            return self._failed(out, st, old_len, exc), True
         st.token_ids.extend(ids)
         if out.metrics:
             st.metrics.update(out.metrics)
@@ -195,6 +208,7 @@ class TextProcessor:
         if finished:
             st.text += state.flush()
             del self.streams[out.request_id]
+            error = out.error
             if reason == FinishReason.TIMEOUT.value:
                 error = TIMEOUT_ERROR
             metrics = st.metrics
@@ -214,3 +228,15 @@ class TextProcessor:
             error=error,
             metrics=metrics,
         ), stopped
+
+    def _failed(self, out: SeqOutput, st: _Stream, old_len: int, exc: Exception) -> RequestOutput:
+        del self.streams[out.request_id]
+        metrics = st.metrics
+        metrics.setdefault("finished", time.monotonic())
+        return RequestOutput(
+            request_id=out.request_id, new_token_ids=[], new_text=st.text[old_len:],
+            text=st.text, token_ids=list(st.token_ids), finished=True,
+            finish_reason=FinishReason.ERROR.value, num_prompt_tokens=st.num_prompt,
+            num_output_tokens=len(st.token_ids),
+            error=f"turning the output into text failed: {type(exc).__name__}: {exc}",
+            metrics=metrics)
