@@ -30,7 +30,7 @@ BUCKETS = "[kv_cache]\ncpu_memory_gib = 0.1\n[scheduler]\nmax_waiting = 64\n"
 TRIED: Counter[str] = Counter()
 IDLE_GAUGES = ("bucketserve_kv_blocks_used", "bucketserve_requests_waiting",
                "bucketserve_requests_running", "bucketserve_embedding_requests_waiting")
-# Examples per property; BUCKETSERVE_FUZZ_SCALE=4 runs four times as many (the README's run).
+# Examples per property; BUCKETSERVE_FUZZ_SCALE=2.5 runs 2.5 times as many.
 SCALE = float(os.environ.get("BUCKETSERVE_FUZZ_SCALE", "1"))
 
 
