@@ -8,15 +8,15 @@
 #     bash bench/online_gpu_vs_vllm.sh
 # TOK: SmolLM2's tokenizer.json / tokenizer_config.json / config.json (no weights needed).
 # VLLM_SITE: vLLM 0.25.1 and its server's dependencies installed with `pip install --target`; unset or
-# SKIP_VLLM=1 runs bucketserve only. vLLM runs with prefix caching off (the timed runs repeat prompts).
+# SKIP_VLLM=1 runs bucketserve only. DEV=cpu tries the flow on a CPU (float32). vLLM runs with prefix caching off (the timed runs repeat prompts).
 set -u
 ROOT=$(pwd); CS=${CS:-256 64}; REPS=${REPS:-3}; SHAPE=${SHAPE:-smollm2-135m}; OUT=${OUT:-/tmp/online}
-WARMUP=${WARMUP:-64}; WORKERS=${WORKERS:-4}; M=/tmp/model-$SHAPE
+WARMUP=${WARMUP:-64}; WORKERS=${WORKERS:-4}; M=/tmp/model-$SHAPE; DEV=${DEV:-cuda}
 mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-python3 - "$TOK" "$M" "$SHAPE" <<'PY'
+python3 - "$TOK" "$M" "$SHAPE" "$DEV" <<'PY'
 import os, shutil, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-tok, d, shape = sys.argv[1:]
+tok, d, shape, dev = sys.argv[1:]
 os.makedirs(d, exist_ok=True)
 for f in os.listdir(tok):
     shutil.copy(os.path.join(tok, f), d)
@@ -26,8 +26,8 @@ if shape == "llama-1b":  # Llama-3.2-1B's shape with SmolLM2's 49,152-token voca
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64))
 cfg.tie_word_embeddings = True
 torch.manual_seed(0)
-with torch.device("cuda"):
-    m = LlamaForCausalLM(cfg).to(torch.bfloat16)
+with torch.device(dev):
+    m = LlamaForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32)
 m.save_pretrained(d)
 print(shape, "random bf16 weights:", sum(p.numel() for p in m.parameters()), "parameters")
 PY
@@ -50,10 +50,10 @@ if [ -z "${SKIP_VLLM:-}" ] && [ -n "${VLLM_SITE:-}" ]; then
 fi
 if [ -z "${SKIP_OURS:-}" ]; then
   python3 -m bucketserve.server.cli serve --host 127.0.0.1 --port 8200 --model "$M" \
-    --embedding-model none --device cuda --dtype bfloat16 > "$OUT/ours_${SHAPE}_server.log" 2>&1 &
+    --embedding-model none --device "$DEV" > "$OUT/ours_${SHAPE}_server.log" 2>&1 &
   BP=$!; if up 8200 $BP; then load 8200 ours; else tail -20 "$OUT/ours_${SHAPE}_server.log"; fi
   kill -TERM $BP 2>/dev/null; wait $BP 2>/dev/null
   [ -z "${SKIP_OFFLINE:-}" ] && python3 bench/offline_workload.py --model "$M" --workload "$WORKLOAD" \
-    --device cuda --repeats "$REPS" --out "$OUT/offline_${SHAPE}.json" > "$OUT/offline_${SHAPE}.log" 2>&1
+    --device "$DEV" --repeats "$REPS" --out "$OUT/offline_${SHAPE}.json" > "$OUT/offline_${SHAPE}.log" 2>&1
 fi
 python3 bench/summarize_online.py "$OUT" "$SHAPE" | tee "$OUT/summary_${SHAPE}.txt"

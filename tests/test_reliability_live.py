@@ -212,3 +212,47 @@ def test_500_connections_opened_and_dropped_leave_nothing_behind(server):
     assert counts.get('bucketserve_request_success_total{finish_reason="error"}', 0) == 0
     # some whole requests did reach the engine (38 of 250 here), aborted when their clients left
     assert counts[aborted] - aborted_before >= 1
+
+
+def test_the_api_key_guards_every_v1_route_and_the_schema(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        routes = [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                  ("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings"),
+                  ("GET", "/v1/no-such-route"), ("GET", "/openapi.json"), ("GET", "/docs")]
+        for method, path in routes:
+            for headers in ({}, {"Authorization": "Bearer wrong"},
+                            {"Authorization": API_KEY}, [("Authorization", AUTH["Authorization"])] * 2):
+                err = assert_error(c.request(method, path, headers=headers, json={}), 401)
+                assert err["type"] == "authentication_error"
+        schema = c.get("/openapi.json", headers=AUTH)
+        assert schema.status_code == 200 and "/v1/completions" in schema.json()["paths"]
+        assert c.get("/health").status_code == 200  # open by design (see the README)
+        assert "bucketserve_kv_blocks_used" in c.get("/metrics").text
+    # the key never reaches the log, whether it was right or wrong
+    assert API_KEY not in server.log()
+
+
+def test_no_cors_headers_unless_asked(server):
+    origin = {"Origin": "https://evil.example"}
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        preflight = c.options("/v1/completions", headers={
+            **origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization"})
+        assert preflight.status_code in (401, 405)
+        for resp in (preflight, c.get("/v1/models", headers={**origin, **AUTH}),
+                     c.get("/health", headers=origin)):
+            assert not any(k.lower().startswith("access-control-") for k in resp.headers), resp.headers
+
+
+def test_model_names_never_resolve_from_a_request(server):
+    """Only the served names exist: a path or another registry name is a 404, never loaded."""
+    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60) as c:
+        for name in ("/etc/passwd", "../../models/x.gguf", "smollm2-360m-instruct",
+                     "all-minilm-l6-v2", "file:///tmp/x"):
+            err = assert_error(c.post("/v1/completions", json={"model": name, "prompt": "hi",
+                                                               "max_tokens": 1}), 404, "model")
+            assert err["code"] == "model_not_found"
+        err = assert_error(c.post("/v1/embeddings", json={"model": "/etc/passwd", "input": "x"}),
+                           404, "model")
+        assert "root:" not in err["message"]
+    assert_serving_and_idle(server)
