@@ -359,3 +359,32 @@ def test_merged_batches_stay_within_the_bound(bound):
             assert 1 - sum(lengths) / (B * L) <= bound + 1e-12, (lengths, L)
     assert merged == b.stats.merged_batches > 0
     assert b.stats.num_inputs == len(inputs) + 1
+
+
+def test_a_synchronous_encoder_answers_each_batch_before_the_next_runs():
+    # A CPU encoder computes inside launch: its batch must be answered at once, not held
+    # back until the next batch has run too (that overlap is for asynchronous runners).
+    release = threading.Event()
+    calls = []
+
+    def encode(ids, mask):
+        calls.append(ids.shape)
+        if len(calls) == 2:
+            assert release.wait(WAIT_S)
+        return torch.zeros(ids.shape[0], 2)
+
+    async def main():
+        b = EmbeddingBatcher(encode, (4, 8), 1, 64, 0.0)
+        b.start()
+        first = asyncio.ensure_future(b.embed([[1, 1]]))
+        second = asyncio.ensure_future(b.embed([[2, 1, 1, 1, 1]]))
+        try:
+            await asyncio.wait_for(asyncio.shield(first), 5.0)  # while batch 2 is blocked
+            assert not second.done()
+        finally:
+            release.set()
+        await second
+        await b.shutdown()
+
+    run(main())
+    assert len(calls) == 2

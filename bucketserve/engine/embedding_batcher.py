@@ -269,6 +269,11 @@ class EmbeddingBatcher:
 
     # ------------------------------------------------------------------ worker thread
     def _run_loop(self) -> None:
+        # An asynchronous runner (CUDA) overlaps: batch k+1 is built and launched while the
+        # device still runs batch k, then k is collected. A synchronous one (CPU) computes in
+        # launch, so its batch is collected at once: holding it back until the next batch
+        # ran would only delay its answers.
+        overlap = getattr(self.runner, "asynchronous", False)
         running: _Running | None = None  # launched, not yet collected
         while True:
             with self._cond:
@@ -277,6 +282,9 @@ class EmbeddingBatcher:
             if running is not None:
                 self._complete(running)
             running = launched
+            if running is not None and not overlap:
+                self._complete(running)
+                running = None
             if batch is None and running is None and self._stopping:
                 return
 

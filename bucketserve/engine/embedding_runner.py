@@ -73,6 +73,8 @@ def fill_rows(buf: np.ndarray, rows: Sequence[Sequence[int]], pad_id: int) -> No
 class FunctionRunner:
     """Runs `encode` synchronously in launch (CPU model, test fakes)."""
 
+    asynchronous = False  # launch returns with the vectors ready
+
     def __init__(self, encode: EncodeFn, pad_token_id: int = 0) -> None:
         self.encode = encode
         self.pad_token_id = pad_token_id
@@ -129,6 +131,7 @@ class CudaGraphRunner:
         width = spec.max_len + 1
         self.max_rows = max_rows
         cuda = self.device.type == "cuda"
+        self.asynchronous = cuda  # launch only enqueues device work; collect waits for it
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.dev_in = torch.zeros(max_rows * width, dtype=torch.int32, device=self.device)
         self.dev_out = torch.zeros(max_rows, dim, dtype=torch.float32, device=self.device)
