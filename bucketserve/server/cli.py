@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted")
+    s.add_argument("--nvtx", action="store_true", help="NVTX range per engine step (cuda; for Nsight Systems)")
     return parser
 
 
@@ -78,7 +79,7 @@ def load_engine(args: argparse.Namespace):
     loaded = load_model(args.model, device=args.device, dtype=_torch_dtype(args.dtype, args.device))
     t_model = time.perf_counter() - t0
     buckets = load_buckets(args.buckets, max_model_len=loaded.max_model_len)
-    engine = LLMEngine(loaded, buckets, args.device)
+    engine = LLMEngine(loaded, buckets, args.device, nvtx=args.nvtx)
     bm = engine.block_manager
     log.info("model %s loaded in %.1f s (max_model_len %d); KV pool: %d blocks of %d tokens",
              engine.model_name, t_model, engine.max_model_len, bm.num_usable_blocks, bm.block_size)
