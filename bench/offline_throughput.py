@@ -44,9 +44,10 @@ def load_workload(path: Path, tokenizer, limit: int | None) -> list[tuple[list[i
     return out
 
 
-def run_bucketserve(requests, buckets_path: str | None) -> dict:
+def run_bucketserve(requests, buckets_path: str | None, overlap: bool | None = None) -> dict:
     loaded = load_model("smollm2-135m-instruct", dtype=torch.float32)
-    engine = LLMEngine(loaded, load_buckets(buckets_path, max_model_len=loaded.max_model_len))
+    engine = LLMEngine(loaded, load_buckets(buckets_path, max_model_len=loaded.max_model_len),
+                       async_scheduling=overlap)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in requests]
     t0 = time.perf_counter()
     outs = engine.generate([ids for ids, _ in requests], params)
@@ -57,6 +58,7 @@ def run_bucketserve(requests, buckets_path: str | None) -> dict:
     steps = list(s.recent)
     return {
         "system": "bucketserve",
+        "async_scheduling": engine.async_scheduling,
         "seconds": round(elapsed, 2),
         "output_tokens": n_out,
         "output_tokens_per_s": round(n_out / elapsed, 1),
@@ -113,12 +115,15 @@ def main() -> None:
     ap.add_argument("--buckets", default=None, help="buckets TOML (default: the shipped one)")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                    help="overlapped scheduling (default: the TOML's scheduler.async_scheduling)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "offline_throughput.json")
     args = ap.parse_args()
     torch.manual_seed(0)
     tokenizer = load_model("smollm2-135m-instruct").tokenizer
     requests = load_workload(args.workload, tokenizer, args.limit)
-    ours = run_bucketserve(requests, args.buckets)
+    overlap = {"auto": None, "on": True, "off": False}[args.overlap]
+    ours = run_bucketserve(requests, args.buckets, overlap)
     ours["load_avg_1m_after"] = round(os.getloadavg()[0], 2)  # other work on the machine skews both
     print(json.dumps(ours), flush=True)
     result = {"workload": str(args.workload.name), "requests": len(requests),
