@@ -138,7 +138,8 @@ def test_stop_token_ids_and_aborts(tiny, tmp_path, overlap):
             params.append(SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
             want.append((exp, "length"))
     abort_after = {1: 2, 4: 3, 13: 1}
-    engine = LLMEngine(ours, buckets, async_scheduling=overlap)
+    engine = LLMEngine(ours, buckets, async_scheduling=overlap, nvtx=True)
+    assert engine.nvtx is False  # NVTX ranges: CUDA only, a no-op on the CPU
     outs, pending_at_abort = stream(engine, prompts, params, abort_after)
     for i, (out, (ids, reason)) in enumerate(zip(outs, want, strict=True)):
         if i in abort_after:

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bucketserve.buckets import BucketsConfig, BucketSpec, load_buckets
+from bucketserve.buckets import BucketsConfig, load_buckets
 from bucketserve.engine.block_manager import BlockManager
 from bucketserve.engine.kv_budget import gpu_kv_budget_blocks, kv_bytes_per_block
 from bucketserve.engine.output_processor import OutputProcessor
@@ -73,8 +73,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, buckets.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
-            prefill_buckets=BucketSpec(buckets.prefill_boundaries),
-            decode_buckets=BucketSpec(buckets.decode_batch_sizes),
+            prefill_buckets=buckets.prefill_spec,
+            decode_buckets=buckets.decode_spec,
             max_running=buckets.max_running,
             max_batched_tokens=self.max_batched_tokens,
             max_model_len=self.max_model_len,
