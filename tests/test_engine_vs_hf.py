@@ -32,8 +32,12 @@ def hf_greedy(model, prompt: list[int], max_tokens: int, ignore_eos: bool) -> li
 
 
 def buckets_file(tmp_path, max_batched_tokens: int = 256) -> str:
+    # A long queue timeout: on a slow shared machine the last request of the small-pool runs
+    # can wait more than the default 600 s to be admitted (seen at 16x oversubscription), and
+    # would then end with finish_reason "timeout" and no tokens.
     path = tmp_path / "buckets.toml"
-    path.write_text(f"[scheduler]\nmax_batched_tokens = {max_batched_tokens}\nmax_running = 16\n")
+    path.write_text(f"[scheduler]\nmax_batched_tokens = {max_batched_tokens}\nmax_running = 16\n"
+                    "queue_timeout_s = 86400\n")
     return str(path)
 
 
