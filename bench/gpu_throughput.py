@@ -87,7 +87,7 @@ def word_tokenizer(vocab: int) -> Tokenizer:
 def make_engine(shape: str, device: str, dtype: torch.dtype, cuda_graphs: bool,
                 tokenizer: Tokenizer, fused_ops: bool = True,
                 max_batched_tokens: int | None = None, tmp_dir: str = "/tmp",
-                piecewise: bool = True) -> LLMEngine:
+                piecewise: bool = True, async_scheduling: bool | None = None) -> LLMEngine:
     cfg = ModelConfig(**SHAPES[shape], max_position_embeddings=MAX_MODEL_LEN, rope_theta=100000.0,
                       tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
     model = build_dummy_model(cfg, device, dtype, seed=0)
@@ -98,7 +98,8 @@ def make_engine(shape: str, device: str, dtype: torch.dtype, cuda_graphs: bool,
         path = Path(tmp_dir) / f"buckets_{max_batched_tokens}.toml"
         path.write_text(f"[scheduler]\nmax_batched_tokens = {max_batched_tokens}\n")
     buckets = load_buckets(str(path) if path else None, max_model_len=MAX_MODEL_LEN)
-    return LLMEngine(loaded, buckets, device, cuda_graphs=cuda_graphs, piecewise_graphs=piecewise)
+    return LLMEngine(loaded, buckets, device, cuda_graphs=cuda_graphs, piecewise_graphs=piecewise,
+                     async_scheduling=async_scheduling)
 
 
 def sync(device: str) -> None:
@@ -264,17 +265,20 @@ def run_mode(res: dict, shape: str, mode: str, device: str, dtype: torch.dtype, 
              batches: list[int], args, bw: float | None) -> None:
     """mode: graphs | eager, + "_unfused" (no fused Triton ops) / "_2k" (2048-token steps; the
     default "auto" budget is 8192 on CUDA) / "_nopiece" (decode graphs only: prefill and
-    mixed steps eager)."""
+    mixed steps eager) / "_sync" (overlapped scheduling off: each step resolved before the
+    next is scheduled)."""
     vocab = SHAPES[shape]["vocab_size"]
     t0 = time.perf_counter()
     engine = make_engine(shape, device, dtype, mode.startswith("graphs"), tok,
                          fused_ops="unfused" not in mode,
                          max_batched_tokens=2048 if mode.endswith("_2k") else None,
-                         tmp_dir=tempfile.gettempdir(), piecewise="_nopiece" not in mode)
+                         tmp_dir=tempfile.gettempdir(), piecewise="_nopiece" not in mode,
+                         async_scheduling=False if "_sync" in mode else None)
     start_s = time.perf_counter() - t0
     r = run_bucketserve(engine, reqs, device, profile=args.profile and mode == "graphs",
                         repeats=args.repeats, detokenize=args.detokenize)
     r.update(piecewise_steps=engine.runner.num_piecewise_steps)
+    r.update(async_scheduling=engine.async_scheduling)
     r.update(model=shape, mode=mode, detokenize=args.detokenize, startup_s=start_s, cuda_info=engine.cuda_info,
              kv_blocks=engine.block_manager.num_usable_blocks)
     prof = r.pop("profile_top", None)
@@ -283,7 +287,7 @@ def run_mode(res: dict, shape: str, mode: str, device: str, dtype: torch.dtype, 
         print(prof, flush=True)
         r["profile_top"] = prof
     res["runs"].append(r)
-    if mode.endswith("_2k"):
+    if mode.endswith("_2k") or not batches:
         return  # same decode graphs as "graphs": no separate step times
     for st in step_times(engine, batches, 512, vocab, device):
         st.update(model=shape, mode=mode)
@@ -299,7 +303,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shapes", default="smollm2-135m,llama-1b")
     ap.add_argument("--modes", default="graphs,graphs_nopiece,graphs_2k,eager,graphs_unfused",
-                    help="graphs / eager: decode graphs on / off; _unfused: no fused Triton ops")
+                    help="graphs / eager: decode graphs on / off; _unfused: no fused Triton ops; "
+                         "_sync: overlapped scheduling off")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs; out_tok_s = median")

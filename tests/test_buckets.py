@@ -20,17 +20,16 @@ from bucketserve.buckets import (
     PaddingCounter,
     default_buckets_path,
     load_buckets,
-    round_up_batch_size,
 )
 from bucketserve.buckets.__main__ import main as cli_main
 
 # The schema and defaults as documented in /work/notes/TEAM.md (the spec this package implements).
 DOCUMENTED_DEFAULTS = {
-    "prefill": {"boundaries": [16, 32, 64, 128, 256, 512, 1024, 2048]},
+    "prefill": {"boundaries": [16, 32, 64, 128, 256, 512, 1024, 2048], "piecewise_sizes": "auto"},
     "decode": {"batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]},
     "scheduler": {"max_running": 256, "max_batched_tokens": "auto", "max_waiting": 1024,
                   "queue_timeout_s": 600.0, "policy": "priority",
-                  "max_prefill_share": 0.25},
+                  "max_prefill_share": 0.25, "async_scheduling": "auto"},
     "kv_cache": {"block_size": 16, "cpu_memory_gib": 2.0, "gpu_memory_fraction": 0.9,
                  "prefix_caching": True},
     "embedding": {"boundaries": [*range(8, 257, 8), 320, 384, 448, 512],
@@ -152,6 +151,35 @@ def test_prefix_caching_can_be_turned_off(tmp_path: Path) -> None:
     assert "prefix_caching = false" in config.to_toml()
 
 
+def test_piecewise_sizes_auto_and_set(tmp_path: Path) -> None:
+    auto = load_buckets()
+    assert auto.piecewise_token_counts(8192) == [16, 32, 64, 128, 256, 512, 1024, 2048, 3072,
+                                                 4096, 5120, 6144, 7168, 8192]
+    assert auto.piecewise_token_counts(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert auto.piecewise_token_counts(100) == [16, 32, 64, 100]
+    assert auto.piecewise_token_counts(16) == [16]
+    # "auto" follows the prefill boundaries (those below the budget)
+    own = load_buckets(write(tmp_path, "[prefill]\nboundaries = [100, 300, 3000]\n"))
+    assert own.piecewise_token_counts(4096) == [100, 300, 1024, 2048, 3000, 3072, 4096]
+    # a set list is taken as it is, less the sizes above the step budget
+    fixed = load_buckets(write(tmp_path, "[prefill]\npiecewise_sizes = [64, 512, 4096]\n"))
+    assert fixed.piecewise_sizes == (64, 512, 4096)
+    assert fixed.piecewise_token_counts(8192) == [64, 512, 4096]
+    assert fixed.piecewise_token_counts(2048) == [64, 512]
+
+
+def test_async_scheduling_auto_is_per_device(tmp_path: Path) -> None:
+    from bucketserve.buckets.config import AUTO_ASYNC_CPU
+
+    auto = load_buckets()
+    assert auto.use_async_scheduling("cuda") is True
+    assert auto.use_async_scheduling("cpu") is AUTO_ASYNC_CPU
+    for value in (True, False):
+        config = load_buckets(write(tmp_path, f"[scheduler]\nasync_scheduling = {str(value).lower()}\n"))
+        assert config.use_async_scheduling("cpu") is value
+        assert config.use_async_scheduling("cuda") is value
+
+
 def test_gpu_memory_fraction_one_is_legal(tmp_path: Path) -> None:
     assert load_buckets(write(tmp_path, "[kv_cache]\ngpu_memory_fraction = 1\n")
                         ).gpu_memory_fraction == 1.0
@@ -161,9 +189,11 @@ def test_to_toml_round_trips(tmp_path: Path) -> None:
     config = load_buckets(write(tmp_path, """
 [prefill]
 boundaries = [8, 100, 333]
+piecewise_sizes = [64, 512]
 [scheduler]
 policy = "fcfs"
 queue_timeout_s = 0.25
+async_scheduling = false
 [kv_cache]
 cpu_memory_gib = 0.5
 [embedding]
@@ -186,7 +216,7 @@ def test_max_merged_padding_bounds_accepted(tmp_path: Path) -> None:
 def test_specs_from_config() -> None:
     config = load_buckets()
     assert config.prefill_spec == BucketSpec(config.prefill_boundaries)
-    assert config.decode_spec.lookup(3) == round_up_batch_size(3, config.decode_batch_sizes)
+    assert config.decode_spec.lookup(3) == 4 and config.decode_spec.lookup(257) is None
     assert list(config.embedding.spec) == list(config.embedding.boundaries)
 
 
@@ -260,6 +290,15 @@ INVALID = [
     ('[scheduler]\npolicy = "FCFS"\n', "scheduler.policy", ['did you mean "fcfs"']),
     ('[scheduler]\npolicy = "priorty"\n', "scheduler.policy", ['did you mean "priority"']),
     ("[scheduler]\npolicy = 1\n", "scheduler.policy", ["integer", '"fcfs"']),
+    # overlapped scheduling, piecewise graph sizes
+    ('[scheduler]\nasync_scheduling = "yes"\n', "scheduler.async_scheduling",
+     ["'yes'", "true, false or \"auto\""]),
+    ("[scheduler]\nasync_scheduling = 1\n", "scheduler.async_scheduling", ["integer"]),
+    ('[prefill]\npiecewise_sizes = "all"\n', "prefill.piecewise_sizes", ["'all'", '"auto"']),
+    ("[prefill]\npiecewise_sizes = [512, 256]\n", "prefill.piecewise_sizes",
+     ["element 1", "increasing"]),
+    ("[prefill]\npiecewise_sizes = []\n", "prefill.piecewise_sizes", ["empty array"]),
+    ("[prefill]\npiecewise_sizes = 1024\n", "prefill.piecewise_sizes", ["integer", '"auto"']),
     # cross-key: an encoder batch must fit one input of the longest bucket
     ("[embedding]\nmax_batch_tokens = 256\n", "embedding.max_batch_tokens", ["256", "512"]),
     ("[embedding]\nboundaries = [512, 16384]\n", "embedding.boundaries", ["8192", "16384"]),
@@ -472,15 +511,6 @@ def test_lookup_rejects_negative_length() -> None:
         BucketSpec([4]).lookup(-1)
 
 
-def test_round_up_batch_size() -> None:
-    sizes = tuple(DOCUMENTED_DEFAULTS["decode"]["batch_sizes"])
-    for n in range(1, sizes[-1] + 3):
-        assert round_up_batch_size(n, sizes) == brute_lookup(sizes, n), n
-    assert round_up_batch_size(sizes[-1] + 1, sizes) is None
-    with pytest.raises(ValueError):
-        round_up_batch_size(0, sizes)
-
-
 def test_padding_counter() -> None:
     counter = PaddingCounter()
     assert (counter.computed, counter.useful, counter.waste) == (0, 0, 0.0)
@@ -507,7 +537,7 @@ def test_padding_counter() -> None:
 
 def test_buckets_config_fields() -> None:
     names = [f.name for f in dataclasses.fields(BucketsConfig)]
-    assert names[:13] == ["prefill_boundaries", "decode_batch_sizes", "max_running",
-                          "max_batched_tokens", "max_waiting", "queue_timeout_s", "policy",
-                          "max_prefill_share", "block_size", "cpu_memory_gib",
-                          "gpu_memory_fraction", "prefix_caching", "embedding"]
+    assert names[:15] == ["prefill_boundaries", "piecewise_sizes", "decode_batch_sizes",
+                          "max_running", "max_batched_tokens", "max_waiting", "queue_timeout_s",
+                          "policy", "max_prefill_share", "async_scheduling", "block_size",
+                          "cpu_memory_gib", "gpu_memory_fraction", "prefix_caching", "embedding"]

@@ -1,6 +1,7 @@
 """On CUDA, the engine's greedy output equals transformers' `generate` token for token (fp32,
 Triton attention), for 16 concurrent prompts of mixed lengths, with and without CUDA graphs
-for the decode steps, and under preemption. Skipped without a GPU."""
+for the decode steps, and under preemption, with overlapped scheduling on and off (NVTX
+ranges on). Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -71,11 +72,12 @@ def setup():
 
 
 def run_engine(loaded, prompts, tmp_path, cuda_graphs: bool, num_blocks: int | None = None,
-               piecewise: bool = True):
+               piecewise: bool = True, overlap: bool = True, nvtx: bool = False):
     path = tmp_path / "buckets.toml"
     path.write_text("[scheduler]\nmax_batched_tokens = 256\nmax_running = 16\n")
     engine = LLMEngine(loaded, load_buckets(str(path), max_model_len=2048), "cuda",
-                       num_blocks=num_blocks, cuda_graphs=cuda_graphs, piecewise_graphs=piecewise)
+                       num_blocks=num_blocks, cuda_graphs=cuda_graphs, piecewise_graphs=piecewise,
+                       async_scheduling=overlap, nvtx=nvtx)
     free = engine.block_manager.num_free_blocks
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     outs = engine.generate(prompts, params)
@@ -83,11 +85,16 @@ def run_engine(loaded, prompts, tmp_path, cuda_graphs: bool, num_blocks: int | N
     return [o.token_ids for o in outs], engine
 
 
-@pytest.mark.parametrize("cuda_graphs, piecewise", [(True, True), (True, False), (False, False)])
-def test_gpu_engine_greedy_matches_transformers(setup, tmp_path, cuda_graphs, piecewise):
+@pytest.mark.parametrize("cuda_graphs, piecewise, overlap",
+                         [(True, True, True), (True, True, False), (True, False, True),
+                          (False, False, True), (False, False, False)])
+def test_gpu_engine_greedy_matches_transformers(setup, tmp_path, cuda_graphs, piecewise, overlap):
     loaded, prompts, expected = setup
-    got, engine = run_engine(loaded, prompts, tmp_path, cuda_graphs, piecewise=piecewise)
+    got, engine = run_engine(loaded, prompts, tmp_path, cuda_graphs, piecewise=piecewise,
+                             overlap=overlap, nvtx=overlap)
     assert got == expected
+    # with overlap, decode inputs came from the previous step's sampled ids on the device
+    assert (engine.runner.num_placeholder_tokens > 0) is overlap
     kinds = {s.kind for s in engine.stats.recent}
     assert {"decode", "mixed"} <= kinds, kinds
     if cuda_graphs:
@@ -110,8 +117,10 @@ def test_gpu_engine_greedy_matches_transformers(setup, tmp_path, cuda_graphs, pi
         assert engine.runner.num_piecewise_steps == 0
 
 
-def test_gpu_engine_greedy_matches_under_preemption(setup, tmp_path):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_gpu_engine_greedy_matches_under_preemption(setup, tmp_path, overlap):
     loaded, prompts, expected = setup
-    got, engine = run_engine(loaded, prompts, tmp_path, cuda_graphs=True, num_blocks=48)
+    got, engine = run_engine(loaded, prompts, tmp_path, cuda_graphs=True, num_blocks=48,
+                             overlap=overlap)
     assert engine.stats.preemptions_total > 0
     assert got == expected

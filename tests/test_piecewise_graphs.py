@@ -10,12 +10,12 @@ import random
 import pytest
 import torch
 
-from bucketserve.engine.runner import ModelRunner
+from bucketserve.buckets import load_buckets
 from bucketserve.kernels.attention import forward_context
-from bucketserve.kernels.cuda_graphs import PiecewiseGraphs, piecewise_sizes
+from bucketserve.kernels.cuda_graphs import PiecewiseGraphs
 from bucketserve.models.config import ModelConfig
 from bucketserve.models.loader import build_dummy_model
-from tests.test_runner_inputs import BS, make_batch
+from tests.test_runner_inputs import BS, make_batch, step_inputs
 
 VOCAB = 5000
 
@@ -26,18 +26,6 @@ def tiny_model(device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch
                       rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
                       eos_token_ids=(2,))
     return build_dummy_model(cfg, device, dtype, seed=3)
-
-
-def test_piecewise_sizes():
-    assert piecewise_sizes(8192) == [16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 5120,
-                                     6144, 7168, 8192]
-    assert piecewise_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
-    assert piecewise_sizes(100) == [16, 32, 64, 100]
-    assert piecewise_sizes(16) == [16]
-    # the TOML's prefill boundaries (the shipped ones go to 2048) below the budget
-    shipped = (16, 32, 64, 128, 256, 512, 1024, 2048)
-    assert piecewise_sizes(8192, shipped) == piecewise_sizes(8192)
-    assert piecewise_sizes(4096, (100, 300, 3000)) == [100, 300, 1024, 2048, 3000, 3072, 4096]
 
 
 CASES = [
@@ -58,8 +46,7 @@ def check_piecewise(num_decodes: int, prefills: list, device: str, dtype: torch.
                        device=device, dtype=dtype)
     model.bind_kv_cache(pool)
     batch = make_batch(rng, num_decodes, prefills)
-    runner = type("R", (), {"block_size": BS, "device": torch.device(device)})()
-    ids, pos, meta, _, _ = ModelRunner._prepare(runner, batch)
+    ids, pos, meta = step_inputs(batch, device)
     n = ids.shape[0]
     # the K/V already in the pool (cached prefixes, decode contexts): random, the same for both
     pool.normal_()
@@ -71,7 +58,7 @@ def check_piecewise(num_decodes: int, prefills: list, device: str, dtype: torch.
     if want_plain is not None:
         torch.testing.assert_close(want, want_plain, rtol=1e-5, atol=1e-5)
 
-    pw = PiecewiseGraphs(model, piecewise_sizes(512), device, capture=capture)
+    pw = PiecewiseGraphs(model, load_buckets().piecewise_token_counts(512), device, capture=capture)
     if capture:
         stats = pw.capture()
         assert stats.num_graphs == len(pw.sizes) * (cfg.num_layers + 1)

@@ -1,17 +1,16 @@
-"""The runner's preallocated step buffers (used on CUDA) hold exactly the inputs that the
-per-step numpy path (used on CPU) builds, for mixed decode/prefill batches and for decode
-steps padded with dummy rows."""
+"""The runner's input builder (StepInputs, on every device) holds exactly the inputs of a
+batch, built token by token in plain Python here, for mixed decode/prefill batches, with
+stale buffers, and with decode tokens still on the device (overlapped scheduling)."""
 
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
-import numpy as np
+import pytest
 import torch
 
 from bucketserve.engine.block_manager import BlockManager
-from bucketserve.engine.runner import ModelRunner, StepInputs
+from bucketserve.engine.runner import StepInputs
 from bucketserve.engine.scheduler import ScheduledBatch
 from bucketserve.engine.sequence import SamplingParams, Sequence
 
@@ -42,49 +41,83 @@ def make_batch(rng: random.Random, num_decodes: int, prefills: list[tuple[int, i
 
 
 def reference(batch: ScheduledBatch):
-    ns = SimpleNamespace(block_size=BS, device=torch.device("cpu"))
-    return ModelRunner._prepare(ns, batch)
+    """Per token, in plain Python: ids, positions, slots, seq_lens, query_start_loc and the
+    (row, batch index) pairs to sample. A sequence samples when the step computes its last
+    known token."""
+    ids, pos, slots, seq_lens, qsl, rows, seqs = [], [], [], [], [0], [], []
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+        start = seq.num_computed_tokens
+        for p in range(start, start + n):
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // BS] * BS + p % BS)
+        seq_lens.append(start + n)
+        qsl.append(len(ids))
+        if start + n == seq.num_tokens:
+            rows.append(len(ids) - 1)
+            seqs.append(i)
+    return ids, pos, slots, seq_lens, qsl, rows, seqs
 
 
-def test_step_buffers_equal_numpy_path():
+def step_inputs(batch: ScheduledBatch, device: str = "cpu"):
+    """(ids, positions, metadata) of a batch as the runner builds them."""
+    width = max(len(s.block_table) for s in batch.seqs)
+    inp = StepInputs(max_tokens=4096, max_seqs=64, max_blocks=width, block_size=BS,
+                     device=torch.device(device))
+    return inp.to_device(inp.fill(batch))
+
+
+def test_step_buffers_hold_the_batch():
     rng = random.Random(0)
     inp = StepInputs(max_tokens=2048, max_seqs=64, max_blocks=64, block_size=BS,
                      device=torch.device("cpu"))
     cases = [(5, []), (0, [(40, 0), (250, 100), (7, 0)]), (9, [(300, 0), (130, 30)]), (1, [])]
     for num_decodes, prefills in cases * 2:  # twice: stale contents must not leak through
         batch = make_batch(rng, num_decodes, prefills)
-        ids, pos, meta, rows, sample_seqs = reference(batch)
-        ntok, nrows, seq_lens, sample_rows, got_seqs, width = inp.fill(batch)
-        n = len(batch.seqs)
-        assert (ntok, nrows) == (ids.shape[0], n)
-        np.testing.assert_array_equal(inp.ids[:ntok], ids.numpy())
-        np.testing.assert_array_equal(inp.pos[:ntok], pos.numpy())
-        np.testing.assert_array_equal(inp.slots[:ntok], meta.slot_mapping.numpy())
-        np.testing.assert_array_equal(inp.seq_lens[:n], meta.seq_lens.numpy())
-        np.testing.assert_array_equal(inp.qsl[:n + 1], meta.query_start_loc.numpy())
+        ids, pos, slots, seq_lens, qsl, rows, seqs = reference(batch)
+        plan = inp.fill(batch)
+        ntok, n = plan.num_tokens, len(batch.seqs)
+        assert (ntok, plan.num_seqs, plan.num_decodes) == (len(ids), n, num_decodes)
+        assert inp.ids[:ntok].tolist() == ids and inp.pos[:ntok].tolist() == pos
+        assert inp.slots[:ntok].tolist() == slots
+        assert inp.seq_lens[:n].tolist() == seq_lens == plan.seq_lens
+        assert inp.qsl[:n + 1].tolist() == qsl
+        assert plan.query_lens == batch.num_new_tokens
         # each row's own pages (entries past them are never read and may be stale)
-        want_tables = meta.block_tables.numpy()
         for i, seq in enumerate(batch.seqs):
             k = len(seq.block_table)
-            np.testing.assert_array_equal(inp.tables[i, :k], want_tables[i, :k])
-        assert seq_lens == meta.seq_lens_cpu
-        assert sample_rows == rows.tolist() and got_seqs == sample_seqs
+            assert inp.tables[i, :k].tolist() == seq.block_table
+        assert (plan.sample_rows, plan.sample_seqs) == (rows, seqs)
+        assert inp.h_sample_rows[:len(rows)].tolist() == rows
+        assert plan.placeholder_rows == plan.placeholder_src == []
+        # on the CPU the "device" tensors are the host buffers themselves
+        d_ids, d_pos, meta = inp.to_device(plan)
+        assert d_ids.tolist() == ids and meta.slot_mapping.tolist() == slots
+        assert meta.seq_lens_cpu == seq_lens and meta.max_query_len == max(batch.num_new_tokens)
 
 
-def test_decode_padding_rows_are_dummies():
-    rng = random.Random(1)
-    inp = StepInputs(max_tokens=64, max_seqs=64, max_blocks=64, block_size=BS,
+def test_pending_tokens_become_placeholders():
+    """A decode whose newest token is still on the device (overlapped scheduling) gets id 0 on
+    the host and a placeholder pointing at that token's index in the previous step's sampled
+    ids; it samples once its pending token is computed."""
+    rng = random.Random(4)
+    inp = StepInputs(max_tokens=256, max_seqs=8, max_blocks=64, block_size=BS,
                      device=torch.device("cpu"))
-    inp.fill(make_batch(rng, 16, []))  # leaves real rows behind
-    batch = make_batch(rng, 3, [])
-    ntok, rows, _, sample_rows, _, width = inp.fill(batch, pad_to=8)
-    assert (ntok, rows) == (8, 8) and sample_rows == [0, 1, 2]
-    # padding: token 0 at position 0, slot 0 of the dummy block 0, context 1
-    assert not inp.ids[3:8].any() and not inp.pos[3:8].any() and not inp.slots[3:8].any()
-    assert (inp.seq_lens[3:8] == 1).all() and not inp.tables[3:8, 0].any()
-    ids, _, meta, _, _ = reference(batch)
-    np.testing.assert_array_equal(inp.slots[:3], meta.slot_mapping.numpy())
-    np.testing.assert_array_equal(inp.ids[:3], ids.numpy())
+    batch = make_batch(rng, 4, [(30, 0)])
+    a, b = batch.seqs[1], batch.seqs[3]
+    for seq in (a, b):  # their newest token: sampled by the last step, not on the host yet
+        seq.token_ids.pop()
+        seq.num_pending = 1
+    prev = {b: 0, a: 5}
+    plan = inp.fill(batch, prev)
+    assert plan.placeholder_rows == [1, 3] and plan.placeholder_src == [5, 0]
+    assert inp.ids[1] == 0 and inp.ids[3] == 0
+    assert inp.h_ph_rows[:2].tolist() == [1, 3] and inp.h_ph_src[:2].tolist() == [5, 0]
+    assert inp.pos[1] == a.num_computed_tokens and inp.pos[3] == b.num_computed_tokens
+    assert plan.sample_seqs == [0, 1, 2, 3, 4]
+    # not sampled by the previous step: an error, not a silent token 0
+    with pytest.raises(ValueError, match="neither on the host"):
+        inp.fill(batch, {a: 5})
 
 
 def test_block_table_rows_follow_growth_and_replacement():
@@ -109,6 +142,6 @@ def test_one_token_prompt_chunk_is_not_sampled():
     batch = make_batch(rng, 3, [])
     seq = batch.seqs[1]
     seq.num_computed_tokens -= 5  # 6 tokens left: this step's 1 token is mid-prompt
-    _, _, _, sample_rows, sample_seqs, _ = inp.fill(batch)
-    assert sample_seqs == [0, 2] and sample_rows == [0, 2]
-    assert sample_rows == reference(batch)[3].tolist()
+    plan = inp.fill(batch)
+    assert plan.sample_seqs == [0, 2] and plan.sample_rows == [0, 2]
+    assert (plan.sample_rows, plan.sample_seqs) == reference(batch)[5:]

@@ -150,3 +150,68 @@ def test_without_the_chunk_limit_one_long_prompt_holds_every_step():
     # admitted only into the last chunk's leftover room, three whole steps after it arrived
     assert [b.num_new_tokens for b in batches] == [[2048], [2048], [2048], [1, 1856]]
     assert batches[3].seqs[0] is short
+
+
+def run_pipelined(sched, token_at, max_steps: int = 10_000) -> list:
+    """Steps as overlapped scheduling does: step N+1 is scheduled and launched before step
+    N's tokens reach the host. token_at(seq, k) is the token a fake model samples as the
+    sequence's k-th output. Returns the batches."""
+    batches, inflight = [], None
+    for _ in range(max_steps):
+        if inflight is None and not sched.has_unfinished():
+            return batches
+        batch = sched.schedule()
+        launched = None
+        if not batch.is_empty:
+            batches.append(batch)
+            samples = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens,
+                                                         strict=True))
+                       if s.num_computed_tokens + n == s.num_tokens + s.num_pending]
+            # the k-th output token of each sampling sequence, fixed at launch
+            tokens = [token_at(batch.seqs[i], batch.seqs[i].num_output_tokens
+                               + batch.seqs[i].num_pending) for i in samples]
+            sched.on_launched(batch, samples)
+            launched = (batch, samples, tokens)
+        if inflight is not None:
+            prev, samples, tokens = inflight
+            for i, tok in zip(samples, tokens, strict=True):
+                sched.on_sampled(prev.seqs[i], tok)
+        inflight = launched
+    raise AssertionError("scheduler did not finish")
+
+
+def test_pipelined_steps_learn_stops_one_step_late():
+    """A decode is scheduled on its pending token; its EOS is learnt one step late and the
+    token computed for it meanwhile is dropped; max_tokens is known ahead, so a sequence whose
+    pending token is its last is not scheduled again; every block comes back."""
+    sched = make_scheduler()
+    initial = sched.blocks.num_free_blocks
+    eos_seq, long_seq = make_requests(2, prompt_len=6, max_tokens=6)
+    for s in (eos_seq, long_seq):
+        sched.add(s)
+
+    def token_at(seq, k):
+        return 2 if seq is eos_seq and k == 2 else 7  # EOS (id 2) as eos_seq's 3rd token
+
+    batches = run_pipelined(sched, token_at)
+    assert eos_seq.output_token_ids == [7, 7, 2] and eos_seq.finish_reason is FinishReason.STOP
+    assert long_seq.output_token_ids == [7] * 6 and long_seq.finish_reason is FinishReason.LENGTH
+    assert sched.blocks.num_free_blocks == initial
+    # eos_seq ran once more after its EOS was sampled (the late stop), never twice
+    steps_with = [b for b in batches if eos_seq in b.seqs]
+    assert len(steps_with) == 1 + 3  # its prefill, then decodes on outputs 1, 2 and 3 (EOS)
+    # long_seq: prefill + 5 decodes; not scheduled on its 6th (last) pending token
+    assert sum(long_seq in b.seqs for b in batches) == 6
+    assert long_seq.num_pending == 0
+
+
+def test_on_sampled_drops_tokens_of_finished_sequences():
+    sched = make_scheduler()
+    (seq,) = make_requests(1, prompt_len=6, max_tokens=8)
+    sched.add(seq)
+    batch = sched.schedule()
+    sched.on_launched(batch, [0])
+    assert seq.num_pending == 1 and seq.num_uncomputed_tokens == 1
+    sched.finish(seq, FinishReason.ABORT)  # aborted while its token is in flight
+    assert sched.on_sampled(seq, 7) is False
+    assert seq.output_token_ids == [] and seq.finish_reason is FinishReason.ABORT

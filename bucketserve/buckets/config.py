@@ -88,6 +88,8 @@ def _positive_int(value: Any) -> int:
 # steps finish prompts in fewer steps; on CPU the step time grows with its tokens, and a smaller
 # budget keeps decodes that share the step from stalling behind long prompts.
 AUTO_STEP_TOKENS = {"cpu": 2048, "cuda": 8192}
+# `async_scheduling = "auto"` on the CPU (on for CUDA), chosen by measurement: see default.toml.
+AUTO_ASYNC_CPU = True
 
 
 def _step_tokens(value: Any) -> int | str:
@@ -148,6 +150,21 @@ def _increasing_ints(value: Any) -> tuple[int, ...]:
                 f"element {i} ({item}) is not larger than element {i - 1} ({value[i - 1]}); {expected}"
             )
     return tuple(value)
+
+
+def _sizes_or_auto(value: Any) -> tuple[int, ...] | str:
+    if value == "auto":
+        return value
+    if not isinstance(value, list):
+        raise _Bad(f'{_got(value)}; expected "auto" or a non-empty array of strictly increasing '
+                   "positive integers, e.g. [64, 256, 1024, 2048]")
+    return _increasing_ints(value)
+
+
+def _bool_or_auto(value: Any) -> bool | str:
+    if value == "auto" or isinstance(value, bool):
+        return value
+    raise _Bad(f'{_got(value)}; expected true, false or "auto"')
 
 
 def _number(value: Any, what: str) -> float:
@@ -211,7 +228,10 @@ def _policy(value: Any) -> str:
 # (table, key) -> (validator, BucketsConfig field path). "embedding.x" fields live in
 # BucketsConfig.embedding. The order here is the order of to_toml().
 _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
-    "prefill": {"boundaries": (_increasing_ints, "prefill_boundaries")},
+    "prefill": {
+        "boundaries": (_increasing_ints, "prefill_boundaries"),
+        "piecewise_sizes": (_sizes_or_auto, "piecewise_sizes"),
+    },
     "decode": {"batch_sizes": (_increasing_ints, "decode_batch_sizes")},
     "scheduler": {
         "max_running": (_positive_int, "max_running"),
@@ -220,6 +240,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
         "queue_timeout_s": (_positive_float, "queue_timeout_s"),
         "policy": (_policy, "policy"),
         "max_prefill_share": (_fraction, "max_prefill_share"),
+        "async_scheduling": (_bool_or_auto, "async_scheduling"),
     },
     "kv_cache": {
         "block_size": (_positive_int, "block_size"),
@@ -278,6 +299,7 @@ class EmbeddingConfig:
 @dataclass(frozen=True)
 class BucketsConfig:
     prefill_boundaries: tuple[int, ...]
+    piecewise_sizes: tuple[int, ...] | str  # token counts, or "auto": see piecewise_token_counts
     decode_batch_sizes: tuple[int, ...]
     max_running: int
     max_batched_tokens: int | str  # tokens, or "auto": see step_token_budget
@@ -285,6 +307,7 @@ class BucketsConfig:
     queue_timeout_s: float
     policy: str
     max_prefill_share: float  # most of a step's token budget one sequence's prefill takes
+    async_scheduling: bool | str  # or "auto": see use_async_scheduling
     block_size: int
     cpu_memory_gib: float
     gpu_memory_fraction: float
@@ -305,6 +328,22 @@ class BucketsConfig:
     def prefill_chunk_tokens(self, device_type: str) -> int:
         """The most prompt tokens one sequence prefills in one step on this device."""
         return max(1, int(self.step_token_budget(device_type) * self.max_prefill_share))
+    def piecewise_token_counts(self, step_tokens: int) -> list[int]:
+        """Token counts the piecewise CUDA graphs are captured at for a step budget of
+        `step_tokens`: the set sizes up to the budget, or for "auto" the prefill boundaries
+        below it, the multiples of 1024 below it and the budget itself."""
+        if self.piecewise_sizes == "auto":
+            sizes = [b for b in self.prefill_boundaries if b < step_tokens]
+            sizes += list(range(1024, step_tokens, 1024))
+            return sorted({*sizes, step_tokens})
+        return [t for t in self.piecewise_sizes if t <= step_tokens]
+
+    def use_async_scheduling(self, device_type: str) -> bool:
+        """async_scheduling on a device: the set value, or for "auto" on for CUDA and
+        AUTO_ASYNC_CPU on the CPU."""
+        if self.async_scheduling == "auto":
+            return device_type == "cuda" or AUTO_ASYNC_CPU
+        return bool(self.async_scheduling)
 
     @property
     def prefill_spec(self) -> BucketSpec:

@@ -73,10 +73,11 @@ class AsyncEngine:
 
     @classmethod
     def spawn(cls, model: str, device: str = "cpu", dtype: str = "auto",
-              buckets_path: str | None = None, log_level: str = "info") -> AsyncEngine:
+              buckets_path: str | None = None, log_level: str = "info",
+              nvtx: bool = False) -> AsyncEngine:
         """Starts the core process, which loads and warms up the model; returns once it is
         ready (raises CoreStartError if it fails)."""
-        return cls(ProcessCore(model, device, dtype, buckets_path, log_level))
+        return cls(ProcessCore(model, device, dtype, buckets_path, log_level, nvtx))
 
     # ---- what the server reads ---------------------------------------------------------
 

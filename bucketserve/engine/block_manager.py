@@ -207,8 +207,10 @@ class BlockManager:
         start = seq.num_registered_blocks
         if full <= start or not self.enable_caching:
             return
-        # never past the table (a sequence freed since the step ran holds no blocks)
-        full = min(full, len(seq.block_table))
+        # never past the table (a sequence freed since the step ran holds no blocks), nor
+        # past the tokens known on the host (overlapped scheduling: a pending token's id is
+        # still on the device, so its block is registered at a later step)
+        full = min(full, len(seq.block_table), len(seq.token_ids) // self.block_size)
         hashes = self.hash_blocks(seq, full)
         table = seq.block_table
         cached = self._cached

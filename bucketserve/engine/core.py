@@ -156,9 +156,11 @@ class CoreConfig:
     output_address: str  # the core PUSHes StepOutputs here
     parent_pid: int
     log_level: str = "info"
+    nvtx: bool = False  # an NVTX range per engine step (LLMEngine nvtx)
 
 
-def build_engine(model: str, device: str, dtype: str, buckets_path: str | None) -> LLMEngine:
+def build_engine(model: str, device: str, dtype: str, buckets_path: str | None,
+                 nvtx: bool = False) -> LLMEngine:
     """Model, buckets, KV pool and a warm-up generation (every stage runs once)."""
     import torch
 
@@ -171,7 +173,7 @@ def build_engine(model: str, device: str, dtype: str, buckets_path: str | None) 
     loaded = load_model(model, device=device, dtype=torch_dtype)
     t_model = time.perf_counter() - t0
     buckets = load_buckets(buckets_path, max_model_len=loaded.max_model_len)
-    engine = LLMEngine(loaded, buckets, device)
+    engine = LLMEngine(loaded, buckets, device, nvtx=nvtx)
     bm = engine.block_manager
     log.info("model %s loaded in %.1f s (max_model_len %d); KV pool: %d blocks of %d tokens",
              engine.model_name, t_model, engine.max_model_len, bm.num_usable_blocks, bm.block_size)
@@ -215,7 +217,8 @@ def run_core_process(cfg: CoreConfig) -> None:
     code = 0
     try:
         try:
-            core = EngineCore(build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path))
+            core = EngineCore(build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path,
+                                             cfg.nvtx))
         except (FileNotFoundError, ValueError) as exc:  # a bad model name, file or config
             outbox.send(out_enc.encode(CoreFailed(str(exc))))
             code = 2

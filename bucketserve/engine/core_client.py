@@ -109,7 +109,8 @@ class ProcessCore:
     """Starts the core process and waits for its READY (the model is loaded and warm)."""
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "auto",
-                 buckets_path: str | None = None, log_level: str = "info") -> None:
+                 buckets_path: str | None = None, log_level: str = "info",
+                 nvtx: bool = False) -> None:
         import zmq
 
         self._zmq = zmq
@@ -132,7 +133,7 @@ class ProcessCore:
         self._thread: threading.Thread | None = None
         cfg = CoreConfig(model=model, device=device, dtype=dtype, buckets_path=buckets_path,
                          input_address=in_addr, output_address=out_addr,
-                         parent_pid=os.getpid(), log_level=log_level)
+                         parent_pid=os.getpid(), log_level=log_level, nvtx=nvtx)
         # spawn, not fork: a fresh interpreter, whatever threads this process already runs
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_core_process, args=(cfg,), name="bucketserve-core")

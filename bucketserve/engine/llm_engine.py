@@ -1,26 +1,37 @@
-"""The synchronous engine: add requests, step, generate.
+"""The engine: add requests, step, generate.
 
-One step is three calls: `schedule()` picks the work, `runner.run()` computes it and
-samples, `scheduler.update()` advances the sequences; the output processor then turns
-the new tokens into text and applies stop strings.
+One step: `scheduler.schedule()` picks the work, `runner.launch()` queues the forward and
+the sampling on the device, `scheduler.on_launched()` counts the step's tokens as computed;
+then a step's sampled ids are read back (`RunnerStep.result()`, the one host sync) and
+`_resolve` hands each token to `scheduler.on_sampled()` (stops, freeing blocks) and to the
+output processor (text, stop strings).
+
+Overlapped scheduling (`async_scheduling`, on by default): step N is resolved after step
+N+1 has been scheduled and launched, so the host schedules, builds inputs and processes
+outputs while the device computes. A decode row of N+1 reads its input id from N's sampled
+ids on the device; a stop found in N's tokens ends the sequence one step late, and the
+token N+1 computed for it is dropped. Without it, each step is resolved right after its
+launch. Greedy outputs are the same either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
 import torch
 
-from bucketserve.buckets import BucketsConfig, BucketSpec, load_buckets
+from bucketserve.buckets import BucketsConfig, load_buckets
 from bucketserve.engine.admission import RequestError, admit
 from bucketserve.engine.admission import validate as validate_request
 from bucketserve.engine.block_manager import BlockManager
 from bucketserve.engine.faults import FaultPlan
+from bucketserve.engine.kv_budget import gpu_kv_budget_blocks, kv_bytes_per_block
 from bucketserve.engine.messages import RequestLimits
 from bucketserve.engine.output_processor import OutputProcessor
 from bucketserve.engine.outputs import RequestOutput
-from bucketserve.engine.runner import ModelRunner, gpu_kv_budget_blocks, kv_bytes_per_block
+from bucketserve.engine.runner import ModelRunner, RunnerStep
 from bucketserve.engine.sampler import Sampler
 from bucketserve.engine.scheduler import Scheduler
 from bucketserve.engine.sequence import FinishReason, SamplingParams, Sequence
@@ -36,10 +47,15 @@ MAX_FAILED_STEPS = 3
 class LLMEngine:
     def __init__(self, loaded, buckets: BucketsConfig, device: str | torch.device = "cpu",
                  num_blocks: int | None = None, cuda_graphs: bool = True,
-                 piecewise_graphs: bool = True) -> None:
+                 piecewise_graphs: bool = True, async_scheduling: bool | None = None,
+                 nvtx: bool = False) -> None:
         """`loaded` is a models.LoadedModel; `num_blocks` overrides the KV budget (tests);
         `cuda_graphs` (CUDA only) captures one decode graph per decode batch size and, with
-        `piecewise_graphs`, prefill and mixed steps as graphs of everything but attention."""
+        `piecewise_graphs`, prefill and mixed steps as graphs of everything but attention
+        (at the TOML's prefill.piecewise_sizes). `async_scheduling` overlaps each step's
+        host work with the previous step's device work (None: the TOML's
+        scheduler.async_scheduling). `nvtx` (CUDA only) wraps each step in an NVTX range
+        named by its kind and bucket ("decode b=64", "mixed t=2048") for Nsight Systems."""
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -60,8 +76,8 @@ class LLMEngine:
                                           cache_key=(loaded.name, str(dtype)))
         self.scheduler = Scheduler(
             self.block_manager,
-            prefill_buckets=BucketSpec(buckets.prefill_boundaries),
-            decode_buckets=BucketSpec(buckets.decode_batch_sizes),
+            prefill_buckets=buckets.prefill_spec,
+            decode_buckets=buckets.decode_spec,
             max_running=buckets.max_running,
             max_batched_tokens=self.max_batched_tokens,
             max_model_len=self.max_model_len,
@@ -71,13 +87,20 @@ class LLMEngine:
         )
         sampler = Sampler(self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                  num_blocks, buckets.block_size, self.device, dtype, sampler)
+                                  num_blocks, buckets.block_size, self.device, dtype, sampler,
+                                  max_num_seqs=buckets.max_running,
+                                  max_num_tokens=self.max_batched_tokens,
+                                  max_model_len=self.max_model_len)
         self.cuda_info: dict = {}
         if self.device.type == "cuda":
+            pw = buckets.piecewise_token_counts(self.max_batched_tokens) if piecewise_graphs else None
             self.cuda_info = self.runner.setup_cuda(
-                buckets.max_running, self.max_batched_tokens, self.max_model_len,
-                list(buckets.decode_batch_sizes), use_cuda_graphs=cuda_graphs,
-                piecewise_graphs=piecewise_graphs, prefill_boundaries=buckets.prefill_boundaries)
+                list(buckets.decode_batch_sizes), use_cuda_graphs=cuda_graphs, piecewise_sizes=pw)
+        if async_scheduling is None:
+            async_scheduling = buckets.use_async_scheduling(self.device.type)
+        self.async_scheduling = async_scheduling
+        self.nvtx = nvtx and self.device.type == "cuda"
+        self._inflight: RunnerStep | None = None  # launched, not yet resolved (async only)
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self.stats.kv_blocks_total = self.block_manager.num_usable_blocks
@@ -99,7 +122,7 @@ class LLMEngine:
         # No point in more blocks than the running sequences can ever fill.
         useful = self.buckets.max_running * -(-self.max_model_len // self.buckets.block_size) + 1
         if self.device.type == "cuda":
-            # sized after a warm-up forward at the largest step (runner.gpu_kv_budget_blocks)
+            # sized after a warm-up forward at the largest step (kv_budget.gpu_kv_budget_blocks)
             cfg, b = self.loaded.config, self.buckets
             blocks, _ = gpu_kv_budget_blocks(
                 self.loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b.block_size,
@@ -158,38 +181,79 @@ class LLMEngine:
         return self._finish_output(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._inflight is not None or self.scheduler.has_unfinished()
 
     # ---- one step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches one step and returns the outputs of the step resolved in
+        this call: the previous one with overlapped scheduling, else this one."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         results = [self._finish_output(seq) for seq in batch.finished]
         bm = self.block_manager
+        prev, self._inflight = self._inflight, None
         if batch.is_empty:
+            if prev is not None:
+                results += self._resolve(prev)
             self.stats.set_prefix_cache(bm.query_tokens, bm.hit_tokens, bm.num_cached_blocks)
             self.stats.set_queue(self.scheduler.num_waiting, self.scheduler.num_running,
-                                 self.block_manager.num_used_blocks)
+                                 bm.num_used_blocks)
             return results
+        if prev is not None and self._needs_host_tokens(batch):
+            results += self._resolve(prev)  # penalties read the newest tokens on the host
+            prev = None
         try:
             if self.faults is not None:
                 self.faults.fire("step", (s.token_ids[0] for s in batch.seqs))
                 self.faults.fire("oom", (s.token_ids[0] for s in batch.seqs))
-            out = self.runner.run(batch)
+            with self._nvtx(batch):
+                step = self.runner.launch(batch)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            if prev is not None:
+                results += self._resolve(prev)
             return results + self._fail_step(batch, exc)
-        self.num_failed_steps = 0
-        self.scheduler.update(batch, out.sampled)
-        # after update: it registers the blocks this step computed
+        self.scheduler.on_launched(batch, step.sample_seqs)
+        if self.async_scheduling:
+            self._inflight = step
+            if prev is not None:
+                results += self._resolve(prev)
+        else:
+            results += self._resolve(step)
+        # after on_launched: it registers the blocks this step computed
         self.stats.set_prefix_cache(bm.query_tokens, bm.hit_tokens, bm.num_cached_blocks)
-        for seq, token, lp in zip(batch.seqs, out.sampled, out.logprobs, strict=True):
-            if token is None:
+        self.stats.record(StepStats(
+            kind=batch.kind, bucket=batch.bucket, num_seqs=len(batch.seqs),
+            num_prefill_seqs=len(batch.seqs) - batch.num_decodes, num_decode_seqs=batch.num_decodes,
+            computed_tokens=batch.num_tokens + step.num_padding, useful_tokens=batch.useful_tokens,
+            kv_blocks_used=self.block_manager.num_used_blocks,
+            kv_blocks_total=self.block_manager.num_usable_blocks,
+            num_preemptions=batch.num_preemptions, num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running, step_time_s=time.perf_counter() - t0))
+        return results
+
+    def _resolve(self, step: RunnerStep) -> list[RequestOutput]:
+        """Hands a launched step's sampled tokens to the scheduler and the output processor.
+        A sequence that finished after the step was launched (a stop in the previous step's
+        tokens, an abort) drops its token: it is never emitted."""
+        try:
+            out = step.result()  # the step's device work (and errors) surface here
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            return self._fail_step(step.batch, exc)
+        self.num_failed_steps = 0
+        results = []
+        seqs = step.batch.seqs
+        faults = self.faults
+        for i in step.sample_seqs:
+            seq = seqs[i]
+            if seq.is_finished:
                 continue
+            token = out.sampled[i]
+            self.scheduler.on_sampled(seq, token)
             try:
-                if self.faults is not None and seq.params.detokenize:  # (else: front end's)
-                    self.faults.fire("detok", (seq.token_ids[0],))
-                stop = self.outputs.on_token(seq, token, lp)
+                if faults is not None and seq.params.detokenize:  # (else: the front end's)
+                    faults.fire("detok", (seq.token_ids[0],))
+                stop = self.outputs.on_token(seq, token, out.logprobs[i])
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 log.exception("output processing failed for %s", seq.request_id)
                 self.scheduler.finish(seq, FinishReason.ERROR)
@@ -200,15 +264,29 @@ class LLMEngine:
             if stop and not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.STOP)
             results.append(self._finish_output(seq) if seq.is_finished else self.outputs.output(seq))
-        self.stats.record(StepStats(
-            kind=batch.kind, bucket=batch.bucket, num_seqs=len(batch.seqs),
-            num_prefill_seqs=len(batch.seqs) - batch.num_decodes, num_decode_seqs=batch.num_decodes,
-            computed_tokens=batch.num_tokens + out.num_padding, useful_tokens=batch.useful_tokens,
-            kv_blocks_used=self.block_manager.num_used_blocks,
-            kv_blocks_total=self.block_manager.num_usable_blocks,
-            num_preemptions=batch.num_preemptions, num_waiting=self.scheduler.num_waiting,
-            num_running=self.scheduler.num_running, step_time_s=time.perf_counter() - t0))
         return results
+
+    @staticmethod
+    def _needs_host_tokens(batch) -> bool:
+        """A sequence with a pending token whose sampling reads its token history
+        (repetition, presence or frequency penalties): the previous step must be resolved
+        before this one samples."""
+        for seq in batch.seqs:
+            if seq.num_pending:
+                p = seq.params
+                if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                        or p.frequency_penalty != 0.0):
+                    return True
+        return False
+
+    def _nvtx(self, batch):
+        if not self.nvtx:
+            return contextlib.nullcontext()
+        if batch.kind == "decode":
+            name = f"decode b={batch.bucket}"
+        else:
+            name = f"{batch.kind} t={batch.num_tokens}"
+        return torch.cuda.nvtx.range(name)
 
     def _finish_output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
         self._seqs.pop(seq.request_id, None)
@@ -230,6 +308,8 @@ class LLMEngine:
         message = f"the engine step running this request failed: {type(exc).__name__}: {exc}"
         outputs = []
         for seq in batch.seqs:
+            if seq.is_finished:  # ended before (a stop learnt late, an abort): reported then
+                continue
             self.scheduler.finish(seq, FinishReason.ERROR)
             self.outputs.drop_text(seq)
             outputs.append(self._finish_output(seq, message))

@@ -3,18 +3,26 @@
 It owns the KV pool (one preallocated tensor) and never changes scheduling state: it
 reads the sequences of a batch and returns one sampled token (or None) per sequence.
 
-CPU: inputs are built with numpy per step and the model runs eagerly.
+One step, on any device:
 
-CUDA (see `setup_cuda`, called by LLMEngine):
-  - the step's integer inputs are written into pinned, preallocated host buffers (numpy
-    views) and copied to preallocated device buffers with non-blocking copies;
-  - a pure-decode step of n <= the largest decode bucket sequences replays the CUDA graph
-    of the smallest captured batch size >= n (kernels/cuda_graphs.DecodeGraphs); the
-    padding rows are dummies that write only the reserved block 0. Prefill, mixed and
-    larger decode steps replay piecewise graphs (kernels/cuda_graphs.PiecewiseGraphs:
-    everything but attention, at the next captured token count, attention eager on the
-    real rows), or run eagerly when graphs are off;
-  - the only device-to-host sync of a step is the sampler's copy of the sampled ids.
+  1. `StepInputs.fill` writes the step's integer inputs into preallocated host buffers
+     (pinned on CUDA) and returns a `StepPlan` (counts, the rows to sample, and the decode
+     rows whose input token is still on the device, see below); the buffers are copied to
+     the device with non-blocking copies;
+  2. one of three forwards: a pure-decode step of n <= the largest decode graph size
+     replays a decode CUDA graph (kernels/cuda_graphs.DecodeGraphs.run, which pads to the
+     captured size with dummy rows); a prefill or mixed step (or a larger decode step)
+     replays the piecewise graphs at the next captured token count
+     (kernels/cuda_graphs.PiecewiseGraphs); anything else runs eagerly;
+  3. one sampling tail: the logits of the sampled rows, the sampler's token ids (a device
+     tensor), and a non-blocking copy of those ids to the host.
+
+`launch()` does all three and returns a `RunnerStep` at once, without waiting for the
+device; `RunnerStep.result()` waits for the copied ids (the one host sync of a step). With
+overlapped scheduling (LLMEngine) the next step is launched before that wait: a decode row
+whose token was sampled by the previous, still unresolved, step (the sequence's
+`num_pending`) gets id 0 on the host and its id is gathered on the device from the
+previous step's sampled tensor (`StepPlan.placeholder_rows` / `placeholder_src`).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch
 
 from bucketserve.engine.sampler import Sampler
 from bucketserve.engine.scheduler import ScheduledBatch
-from bucketserve.engine.sequence import TokenLogprob
+from bucketserve.engine.sequence import Sequence, TokenLogprob
 from bucketserve.kernels.attention import AttentionMetadata, forward_context
 
 log = logging.getLogger(__name__)
@@ -39,95 +47,42 @@ class RunnerOutput:
     sampled: list[int | None]  # per batch sequence; None while still in its prompt
     logprobs: list[TokenLogprob | None]
     # rows the forward computed beyond the step's tokens: a decode graph's dummy rows, a
-    # piecewise graph's padding to its token count (0 on the eager paths)
+    # piecewise graph's padding to its token count (0 on the eager path)
     num_padding: int = 0
 
 
-def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                       dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * elem
+@dataclass(slots=True)
+class StepPlan:
+    """What `StepInputs.fill` wrote for one step: counts, rows to sample, placeholders."""
 
+    num_seqs: int
+    num_decodes: int
+    num_tokens: int  # token rows (decodes first, then the prefill chunks)
+    seq_lens: list[int]  # context length of each sequence after the step
+    query_lens: list[int]
+    sample_rows: list[int]  # token rows whose hidden state is sampled (increasing)
+    sample_seqs: list[int]  # the batch index of each sampled row
+    # decode rows whose input id is a token the previous step sampled and the host has not
+    # seen yet, and that token's index in the previous step's sampled ids
+    placeholder_rows: list[int]
+    placeholder_src: list[int]
 
-def gpu_kv_budget_blocks(model: torch.nn.Module, num_layers: int, num_kv_heads: int,
-                         head_dim: int, block_size: int, dtype: torch.dtype,
-                         max_num_tokens: int, max_num_seqs: int, max_model_len: int,
-                         memory_fraction: float, device: torch.device,
-                         reserve_bytes: int = 256 * 2**20,
-                         reserve_graph_activations: bool = False) -> tuple[int, dict]:
-    """KV blocks that fit in `memory_fraction` of the GPU after a warm-up forward.
-
-    The warm-up runs the largest step the scheduler can issue (max_num_tokens prompt
-    tokens in sequences of at most max_model_len) plus the logits of max_num_seqs rows, over
-    a small temporary pool, and reads the allocator's peak: weights + activations +
-    logits. Memory outside torch's allocator (CUDA context, other processes) is counted
-    as used. `reserve_bytes` is kept back for the decode graphs' pool and the sampler.
-    `reserve_graph_activations` (piecewise CUDA graphs on) keeps back the warm-up's
-    activations once more (its peak less the model's parameters and buffers): the graphs'
-    private pool holds a stage's activations at the largest step, apart from the memory
-    that eager steps reuse. Returns (blocks, details for the log)."""
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    # the largest step: max_num_tokens prompt tokens, in sequences of <= max_model_len
-    t = max(1, max_num_tokens)
-    lens = [min(max_model_len, t - i) for i in range(0, t, max_model_len)]
-    per_seq = -(-max(lens) // block_size)
-    nblk = 1 + per_seq * len(lens)  # block 0 stays the dummy
-    pool = torch.zeros(num_layers, 2, nblk, block_size, num_kv_heads, head_dim,
-                       dtype=dtype, device=device)
-    pool_bytes = pool.numel() * pool.element_size()
-    model.bind_kv_cache(pool)
-    tables = 1 + torch.arange(len(lens) * per_seq, dtype=torch.int32).view(len(lens), per_seq)
-    pos = torch.cat([torch.arange(n) for n in lens])
-    seq_of = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
-    slots = tables[seq_of, pos // block_size].long() * block_size + pos % block_size
-    qsl = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=slots.to(device), query_start_loc=qsl.to(device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device), num_decodes=0, max_query_len=max(lens),
-        max_seq_len=max(lens), query_lens_cpu=lens, seq_lens_cpu=lens)
-    with torch.inference_mode():
-        with forward_context(meta):
-            hidden = model(torch.zeros(t, dtype=torch.long, device=device), pos.to(device))
-        rows = hidden[torch.arange(max_num_seqs, device=device) % t]
-        logits = model.compute_logits(rows)
-        torch.argmax(logits, dim=-1).tolist()
-    del hidden, rows, logits
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - pool_bytes
-    del pool  # (still bound to the model until the real pool replaces it: small)
-    # no empty_cache(): the activation blocks stay cached for the first large steps (a
-    # cudaMalloc there would stall the step); `reserved` below counts them
-    free, total = torch.cuda.mem_get_info(device)
-    outside = total - free - torch.cuda.memory_reserved(device)  # context, other processes
-    graph_act = 0
-    if reserve_graph_activations:
-        tensors = [*model.parameters(), *model.buffers()]
-        graph_act = max(0, peak - sum(x.numel() * x.element_size() for x in tensors))
-    budget = memory_fraction * total - outside - peak - reserve_bytes - graph_act
-    per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
-    blocks = max(2, int(budget // per_block))
-    info = {"total_gib": total / 2**30, "peak_torch_gib": peak / 2**30,
-            "outside_torch_gib": outside / 2**30, "kv_budget_gib": budget / 2**30,
-            "graph_activations_gib": graph_act / 2**30, "warmup_tokens": t}
-    log.info("GPU memory: total %.1f GiB, warm-up peak %.2f GiB, outside torch %.2f GiB, "
-             "kept for piecewise graphs %.2f GiB, KV budget %.2f GiB (fraction %.2f) -> %d "
-             "blocks", info["total_gib"], info["peak_torch_gib"], info["outside_torch_gib"],
-             info["graph_activations_gib"], info["kv_budget_gib"], memory_fraction, blocks)
-    return blocks, info
+    @property
+    def is_decode(self) -> bool:
+        return self.num_decodes == self.num_seqs
 
 
 _NO_TABLE: tuple[None, int] = (None, -1)
 
 
 class StepInputs:
-    """Preallocated host (pinned on CUDA) and device buffers for one step's integer inputs.
+    """Preallocated host buffers (pinned on CUDA) for one step's integer inputs.
 
     Sizes: ids/positions/slots [max_tokens] int64, seq_lens [max_seqs] int32,
-    query_start_loc [max_seqs + 1] int32, block_tables [max_seqs, max_blocks] int32.
-    `fill` writes a batch into the host buffers (padded with dummy decode rows up to
-    `pad_to`), `to_device` copies the used prefix of each with non-blocking copies.
+    query_start_loc [max_seqs + 1] int32, block_tables [max_seqs, max_blocks] int32, and
+    [max_seqs] int64 rows for the sampled rows and the placeholders. `fill` writes a batch;
+    `to_device` copies the used prefix of each with non-blocking copies (on the CPU it
+    returns views of the buffers themselves).
     """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int,
@@ -145,6 +100,9 @@ class StepInputs:
         self.h_seq_lens = host(max_seqs, torch.int32)
         self.h_qsl = host(max_seqs + 1, torch.int32)
         self.h_tables = host((max_seqs, max_blocks), torch.int32)
+        self.h_sample_rows = host(max_seqs, torch.int64)
+        self.h_ph_rows = host(max_seqs, torch.int64)
+        self.h_ph_src = host(max_seqs, torch.int64)
         # numpy views share the (pinned) memory
         self.ids, self.pos, self.slots = self.h_ids.numpy(), self.h_pos.numpy(), self.h_slots.numpy()
         self.seq_lens, self.qsl = self.h_seq_lens.numpy(), self.h_qsl.numpy()
@@ -153,21 +111,16 @@ class StepInputs:
         # per table row: (the block_table list written there, its length then)
         self._row_tables: list[tuple[list[int] | None, int]] = [_NO_TABLE] * max_seqs
         # recorded after each step's host-to-device copies: the host buffers are rewritten
-        # only once the previous copies have read them (a step that samples nothing has no
-        # other sync)
+        # only once the previous copies have read them
         self.copied = torch.cuda.Event() if pin else None
 
-    def wait_copies(self) -> None:
+    def fill(self, batch: ScheduledBatch,
+             pending_index: dict[Sequence, int] | None = None) -> StepPlan:
+        """Host buffers <- batch. A decode row at a position past its sequence's known
+        tokens takes its id from the previous step: `pending_index` maps each sequence that
+        step sampled to the index of its token there."""
         if self.copied is not None:
-            self.copied.synchronize()
-
-    def mark_copied(self) -> None:
-        if self.copied is not None:
-            self.copied.record()
-
-    def fill(self, batch: ScheduledBatch, pad_to: int = 0):
-        """Host buffers <- batch. Returns (num_tokens, num_rows, seq_lens list, sample_rows,
-        sample_seqs, width): rows = sequences + dummy rows up to pad_to (decode only)."""
+            self.copied.synchronize()  # the previous step's copies have read the buffers
         bs = self.block_size
         seqs, counts = batch.seqs, batch.num_new_tokens
         n = len(seqs)
@@ -175,26 +128,39 @@ class StepInputs:
         starts = [s.num_computed_tokens for s in seqs]
         tabs = [s.block_table for s in seqs]
         width = max(map(len, tabs))
-        rows = max(n, pad_to)
-        if width > self.max_blocks or rows > self.max_seqs:
-            raise ValueError(f"step needs {rows} rows x {width} blocks; buffers hold "
+        if width > self.max_blocks or n > self.max_seqs:
+            raise ValueError(f"step needs {n} rows x {width} blocks; buffers hold "
                              f"{self.max_seqs} x {self.max_blocks}")
-        total = nd + sum(counts[nd:])
-        ntok = max(total, pad_to)
+        ntok = nd + sum(counts[nd:])
         if ntok > self.max_tokens:
             raise ValueError(f"step has {ntok} tokens; buffers hold {self.max_tokens}")
+        ph_rows: list[int] = []
+        ph_src: list[int] = []
         # decodes (rows 0..nd-1): one token each at position start
         if nd:
             dstart = starts[:nd]
-            self.ids[:nd] = [s.token_ids[p] for s, p in zip(seqs[:nd], dstart, strict=True)]
+            ids = []
+            for r in range(nd):
+                toks, p = seqs[r].token_ids, dstart[r]
+                if p < len(toks):
+                    ids.append(toks[p])
+                else:  # sampled by the previous step, not on the host yet
+                    ids.append(0)
+                    ph_rows.append(r)
+                    ph_src.append(self._pending(pending_index, seqs[r]))
+            self.ids[:nd] = ids
             self.pos[:nd] = dstart
             self.slots[:nd] = [t[p // bs] * bs + p % bs for t, p in zip(tabs[:nd], dstart, strict=True)]
         seq_lens = [p + c for p, c in zip(starts, counts, strict=True)]
-        # prefills: ranges of tokens
+        # prefills: ranges of tokens (always known on the host: only a sequence that has
+        # sampled has a pending token, and it is then a decode)
         cursor = nd
         for i in range(nd, n):
             seq, start, c = seqs[i], starts[i], counts[i]
             end = start + c
+            if end > len(seq.token_ids):
+                raise ValueError(f"{seq.request_id}: a prefill chunk reaches a token still "
+                                 "on the device")
             pos = np.arange(start, end, dtype=np.int64)
             table = np.asarray(tabs[i], dtype=np.int64)
             self.ids[cursor:cursor + c] = seq.token_ids[start:end]
@@ -214,31 +180,115 @@ class StepInputs:
             if c[0] is not tab or c[1] != len(tab):
                 t[i, :len(tab)] = tab
                 cached[i] = (tab, len(tab))
-        if rows > n:  # dummy decode rows: token 0 at position 0 in the dummy block 0
-            self.ids[n:rows] = 0
-            self.pos[n:rows] = 0
-            self.slots[n:rows] = 0
-            self.seq_lens[n:rows] = 1
-            self.qsl[n + 1:rows + 1] = np.arange(n + 1, rows + 1)
-            t[n:rows, 0] = 0
-            cached[n:rows] = [_NO_TABLE] * (rows - n)
-        if nd == n and sum(seq_lens) == sum(s.num_tokens for s in seqs):
-            # pure decode, all caught up (seq_lens[i] <= num_tokens, so equal sums mean
+        # rows to sample: sequences whose every token (pending ones included) is computed
+        totals = [len(s.token_ids) + s.num_pending for s in seqs]
+        if nd == n and sum(seq_lens) == sum(totals):
+            # pure decode, all caught up (seq_lens[i] <= totals[i], so equal sums mean
             # equal terms; a 1-token prompt chunk also has one new token but no sample)
-            return ntok, rows, seq_lens, list(range(n)), list(range(n)), width
-        sample_rows, sample_seqs = [], []
-        qsl = self.qsl
-        for i in range(n):
-            if seq_lens[i] == seqs[i].num_tokens:  # every known token computed: sample next
-                sample_rows.append(int(qsl[i + 1]) - 1)
-                sample_seqs.append(i)
-        return ntok, rows, seq_lens, sample_rows, sample_seqs, width
+            sample_rows, sample_seqs = list(range(n)), list(range(n))
+        else:
+            sample_rows, sample_seqs = [], []
+            qsl = self.qsl
+            for i in range(n):
+                if seq_lens[i] == totals[i]:
+                    sample_rows.append(int(qsl[i + 1]) - 1)
+                    sample_seqs.append(i)
+        k = len(sample_rows)
+        self.h_sample_rows.numpy()[:k] = sample_rows
+        if ph_rows:
+            self.h_ph_rows.numpy()[:len(ph_rows)] = ph_rows
+            self.h_ph_src.numpy()[:len(ph_src)] = ph_src
+        return StepPlan(n, nd, ntok, seq_lens, list(counts), sample_rows, sample_seqs,
+                        ph_rows, ph_src)
+
+    @staticmethod
+    def _pending(pending_index: dict[Sequence, int] | None, seq: Sequence) -> int:
+        src = None if pending_index is None else pending_index.get(seq)
+        if src is None:
+            raise ValueError(f"{seq.request_id}: its newest token is neither on the host nor "
+                             "sampled by the previous step")
+        return src
+
+    def to_device(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, attention metadata) on the device: non-blocking copies of
+        the used rows (whole block-table rows: contiguous; columns past a row's own pages are
+        never read). On the CPU, views of the host buffers. Placeholder ids are still 0."""
+        dev = self.device
+        n, ntok = plan.num_seqs, plan.num_tokens
+        cuda = dev.type == "cuda"
+
+        def put(h: torch.Tensor) -> torch.Tensor:
+            return h.to(dev, non_blocking=True) if cuda else h
+
+        ids = put(self.h_ids[:ntok])
+        pos = put(self.h_pos[:ntok])
+        meta = AttentionMetadata(
+            slot_mapping=put(self.h_slots[:ntok]),
+            query_start_loc=put(self.h_qsl[:n + 1]),
+            seq_lens=put(self.h_seq_lens[:n]),
+            block_tables=put(self.h_tables[:n]),
+            num_decodes=plan.num_decodes,
+            max_query_len=max(plan.query_lens),
+            max_seq_len=max(plan.seq_lens),
+            query_lens_cpu=plan.query_lens,
+            seq_lens_cpu=plan.seq_lens,
+        )
+        return ids, pos, meta
+
+    def index_rows(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        """The first k entries of one of the [max_seqs] int64 row buffers, on the device."""
+        return h[:k].to(self.device, non_blocking=True) if self.device.type == "cuda" else h[:k]
+
+    def mark_copied(self) -> None:
+        if self.copied is not None:
+            self.copied.record()
+
+
+class RunnerStep:
+    """A launched step. `tokens` is the sampled ids on the device (one per sampled row);
+    `result()` waits for their copy to the host (the step's one sync) and returns the
+    sampled token (or None) and logprob per batch sequence."""
+
+    def __init__(self, batch: ScheduledBatch, sample_seqs: list[int], tokens: torch.Tensor | None,
+                 host: torch.Tensor | None, ready: torch.cuda.Event | None,
+                 logprobs: list[TokenLogprob | None] | None, num_padding: int) -> None:
+        self.batch = batch
+        self.sample_seqs = sample_seqs
+        self.tokens = tokens
+        self.num_padding = num_padding
+        self._host = host
+        self._ready = ready
+        self._logprobs = logprobs
+        self._output: RunnerOutput | None = None
+
+    def result(self) -> RunnerOutput:
+        if self._output is None:
+            n = len(self.batch.seqs)
+            sampled: list[int | None] = [None] * n
+            logprobs: list[TokenLogprob | None] = [None] * n
+            if self.sample_seqs:
+                if self._ready is not None:
+                    self._ready.synchronize()
+                    ids = self._host[:len(self.sample_seqs)].tolist()
+                else:
+                    ids = self.tokens.tolist()
+                for i, tok in zip(self.sample_seqs, ids, strict=True):
+                    sampled[i] = tok
+                if self._logprobs is not None:
+                    for i, lp in zip(self.sample_seqs, self._logprobs, strict=True):
+                        logprobs[i] = lp
+            self._output = RunnerOutput(sampled, logprobs, self.num_padding)
+            self._host = None
+        return self._output
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 sampler: Sampler) -> None:
+                 sampler: Sampler, max_num_seqs: int, max_num_tokens: int,
+                 max_model_len: int) -> None:
+        """max_num_seqs / max_num_tokens: the most sequences and tokens a step can hold (the
+        scheduler's limits); max_model_len: the longest sequence (the block-table width)."""
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -253,39 +303,48 @@ class ModelRunner:
             log.info("CPU: projections use MKL's packed sgemm")
         log.info("KV pool: %d blocks of %d tokens, %.2f GiB", num_blocks, block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
-        self.inputs: StepInputs | None = None  # CUDA: set by setup_cuda
+        self.max_blocks = -(-max_model_len // block_size)
+        self.max_model_len = max_model_len
+        self.inputs = StepInputs(max(max_num_tokens, max_num_seqs), max_num_seqs, self.max_blocks,
+                                 block_size, device)
         self.graphs = None  # kernels.cuda_graphs.DecodeGraphs when captured
         self.piecewise = None  # kernels.cuda_graphs.PiecewiseGraphs when captured
         self.step_timing: dict[str, float] = {"prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0}
         self.num_graph_steps = 0  # steps that replayed a captured decode graph
         self.num_piecewise_steps = 0  # prefill / mixed steps run as piecewise graphs
+        self.num_placeholder_tokens = 0  # input ids read from the previous step on the device
+        # the last launched step's sampled ids (device) and, per sequence, its index there
+        self._last_tokens: torch.Tensor | None = None
+        self._last_index: dict[Sequence, int] = {}
+        # two pinned host buffers for the sampled ids (a step's copy must not overwrite the
+        # previous step's ids before they are read) and their copy-done events
+        self._host_tokens: list[torch.Tensor] = []
+        self._token_events: list[torch.cuda.Event] = []
+        if device.type == "cuda":
+            self._host_tokens = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=True)
+                                 for _ in range(2)]
+            self._token_events = [torch.cuda.Event(), torch.cuda.Event()]
+        self._parity = 0
 
     # ---- CUDA set-up ---------------------------------------------------------------------
 
-    def setup_cuda(self, max_num_seqs: int, max_num_tokens: int, max_model_len: int,
-                   decode_batch_sizes: list[int], use_cuda_graphs: bool = True,
-                   piecewise_graphs: bool = True,
-                   prefill_boundaries: tuple[int, ...] | None = None) -> dict:
-        """Allocates the step buffers, compiles the attention kernels' variants and captures
-        the decode graphs (largest first, one pool) and, with `piecewise_graphs`, the
-        piecewise graphs of prefill and mixed steps up to max_num_tokens tokens (at the
-        prefill boundaries and multiples of 1024: cuda_graphs.piecewise_sizes). Returns
-        {"graphs": n, "capture_s": s, "graph_pool_mib": m, "kernel_warmup_s": s,
-        "piecewise_graphs": n, "piecewise_capture_s": s, "piecewise_pool_mib": m} for the
-        start-up log."""
+    def setup_cuda(self, decode_batch_sizes: list[int], use_cuda_graphs: bool = True,
+                   piecewise_sizes: list[int] | None = None) -> dict:
+        """Compiles the attention kernels' variants, captures the decode graphs (largest
+        first, one pool) and, with `piecewise_sizes` (token counts), the piecewise graphs of
+        prefill and mixed steps. Returns {"graphs": n, "capture_s": s, "graph_pool_mib": m,
+        "kernel_warmup_s": s, "piecewise_graphs": n, "piecewise_capture_s": s,
+        "piecewise_pool_mib": m} for the start-up log."""
         if self.device.type != "cuda":
             raise ValueError("setup_cuda needs a CUDA device")
         sizes = sorted({b for b in decode_batch_sizes if b >= 1})
-        max_blocks = -(-max_model_len // self.block_size)
-        max_seqs = max([max_num_seqs, *sizes])
-        self.inputs = StepInputs(max(max_num_tokens, max_seqs), max_seqs, max_blocks,
-                                 self.block_size, self.device)
         info = {"graphs": 0, "capture_s": 0.0, "graph_pool_mib": 0.0}
         backend = getattr(self.model, "attn_backend", None)
         if hasattr(backend, "warm_up"):  # compile kernel variants now, not mid-run
             t0 = time.perf_counter()
             cfg = self.model.config
-            backend.warm_up(self.kv_cache[0, 0], self.kv_cache[0, 1], cfg.num_heads, max_blocks)
+            backend.warm_up(self.kv_cache[0, 0], self.kv_cache[0, 1], cfg.num_heads,
+                            self.max_blocks)
             info["kernel_warmup_s"] = time.perf_counter() - t0
         if use_cuda_graphs and sizes and not getattr(backend, "graph_capturable", False):
             log.warning("attention backend %r cannot be captured in a CUDA graph (it syncs "
@@ -294,17 +353,16 @@ class ModelRunner:
         elif use_cuda_graphs and sizes:
             from bucketserve.kernels.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, sizes, max_blocks, max_model_len, self.device)
+            self.graphs = DecodeGraphs(self.model, sizes, self.max_blocks, self.max_model_len,
+                                       self.device)
             stats = self.graphs.capture()
             info.update(graphs=stats.num_graphs, capture_s=stats.seconds,
                         graph_pool_mib=stats.pool_bytes / 2**20)
-            if piecewise_graphs and getattr(self.model, "fused_ops", False) \
+            if piecewise_sizes and getattr(self.model, "fused_ops", False) \
                     and hasattr(self.model, "stage_first"):
-                from bucketserve.kernels.cuda_graphs import PiecewiseGraphs, piecewise_sizes
+                from bucketserve.kernels.cuda_graphs import PiecewiseGraphs
 
-                sizes = (piecewise_sizes(max_num_tokens, tuple(prefill_boundaries))
-                         if prefill_boundaries else piecewise_sizes(max_num_tokens))
-                self.piecewise = PiecewiseGraphs(self.model, sizes, self.device)
+                self.piecewise = PiecewiseGraphs(self.model, piecewise_sizes, self.device)
                 stats = self.piecewise.capture()
                 info.update(piecewise_graphs=stats.num_graphs, piecewise_capture_s=stats.seconds,
                             piecewise_pool_mib=stats.pool_bytes / 2**20)
@@ -312,147 +370,105 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
-        if self.inputs is not None:
-            return self._run_cuda(batch)
-        input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(batch)
-        with forward_context(meta):
-            hidden = self.model(input_ids, positions)
-        sampled: list[int | None] = [None] * len(batch.seqs)
-        logprobs: list[TokenLogprob | None] = [None] * len(batch.seqs)
-        if sample_seqs:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            out = self.sampler(logits, [batch.seqs[i] for i in sample_seqs])
-            for i, tok, lp in zip(sample_seqs, out.token_ids, out.logprobs, strict=True):
-                sampled[i] = tok
-                logprobs[i] = lp
-        return RunnerOutput(sampled, logprobs)
+        """One step, synchronously: launch() and its result()."""
+        return self.launch(batch).result()
 
-    def _run_cuda(self, batch: ScheduledBatch) -> RunnerOutput:
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> RunnerStep:
+        """Builds the inputs, queues the forward and the sampling on the device and returns
+        without waiting for them."""
         t0 = time.perf_counter()
-        n = len(batch.seqs)
-        g = self.graphs
-        pad = g.padded_size(n) if g is not None and batch.num_decodes == n else None
         inp = self.inputs
-        t_pw = None  # the piecewise graphs' token count, when they run this step
-        inp.wait_copies()
-        ntok, rows, seq_lens, sample_rows, sample_seqs, width = inp.fill(batch, pad or 0)
-        if pad is not None:
-            # straight into the graph's static inputs; graph rows >= pad are never read
-            g.input_ids[:pad].copy_(inp.h_ids[:pad], non_blocking=True)
-            g.positions[:pad].copy_(inp.h_pos[:pad], non_blocking=True)
-            g.slot_mapping[:pad].copy_(inp.h_slots[:pad], non_blocking=True)
-            g.seq_lens[:pad].copy_(inp.h_seq_lens[:pad], non_blocking=True)
-            # whole rows (a row reads only the pages its own sequence owns)
-            g.block_tables[:pad].copy_(inp.h_tables[:pad], non_blocking=True)
-            inp.mark_copied()
-            t1 = time.perf_counter()
-            g.graphs[pad].replay()
-            self.num_graph_steps += 1
-            hidden = g.outputs[pad][:n]
-        else:
-            dev = self.device
-            pw = self.piecewise
-            t_pw = pw.padded_size(ntok) if pw is not None else None
-            if t_pw is not None:
-                # rows ntok..t_pw-1 of the host buffers hold stale but valid ids / positions
-                pw.input_ids[:t_pw].copy_(inp.h_ids[:t_pw], non_blocking=True)
-                pw.positions[:t_pw].copy_(inp.h_pos[:t_pw], non_blocking=True)
-            else:
-                ids = inp.h_ids[:ntok].to(dev, non_blocking=True)
-                pos = inp.h_pos[:ntok].to(dev, non_blocking=True)
-            meta = AttentionMetadata(
-                slot_mapping=inp.h_slots[:ntok].to(dev, non_blocking=True),
-                query_start_loc=inp.h_qsl[:n + 1].to(dev, non_blocking=True),
-                seq_lens=inp.h_seq_lens[:n].to(dev, non_blocking=True),
-                # whole rows: contiguous; columns past a row's own pages are never read
-                block_tables=inp.h_tables[:n].to(dev, non_blocking=True),
-                num_decodes=batch.num_decodes,
-                max_query_len=max(batch.num_new_tokens),
-                max_seq_len=max(seq_lens),
-                query_lens_cpu=list(batch.num_new_tokens),
-                seq_lens_cpu=seq_lens,
-            )
-            inp.mark_copied()
-            t1 = time.perf_counter()
-            with forward_context(meta):
-                if t_pw is not None:
-                    hidden = pw.run(t_pw, ntok)
-                    self.num_piecewise_steps += 1
-                else:
-                    hidden = self.model(ids, pos)
+        plan = inp.fill(batch, self._last_index)
+        ids, pos, meta = inp.to_device(plan)
+        if plan.placeholder_rows:
+            self._gather_placeholders(plan, ids)
+            self.num_placeholder_tokens += len(plan.placeholder_rows)
+        k = len(plan.sample_rows)
+        rows = inp.index_rows(inp.h_sample_rows, k) if k and plan.sample_rows[-1] != k - 1 else None
+        inp.mark_copied()
+        t1 = time.perf_counter()
+        hidden, padding = self._forward(plan, ids, pos, meta)
         t2 = time.perf_counter()
-        sampled: list[int | None] = [None] * n
-        logprobs: list[TokenLogprob | None] = [None] * n
-        if sample_seqs:
-            k = len(sample_rows)
-            if sample_rows[-1] == k - 1:  # rows 0..k-1 (increasing): decode steps
-                h = hidden[:k]
-            else:
-                idx = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
-                h = hidden[idx]
-            logits = self.model.compute_logits(h)
-            out = self.sampler(logits, [batch.seqs[i] for i in sample_seqs])  # the one sync
-            for i, tok, lp in zip(sample_seqs, out.token_ids, out.logprobs, strict=True):
-                sampled[i] = tok
-                logprobs[i] = lp
-        t3 = time.perf_counter()
+        step = self._sample(batch, plan, hidden, rows, padding)
         st = self.step_timing
         st["prepare_s"] += t1 - t0
         st["forward_s"] += t2 - t1
-        st["sample_s"] += t3 - t2
-        if pad is not None:
-            padding = pad - n
-        elif t_pw is not None:
-            padding = t_pw - ntok
-        else:
-            padding = 0
-        return RunnerOutput(sampled, logprobs, padding)
+        st["sample_s"] += time.perf_counter() - t2
+        return step
 
-    def _prepare(self, batch: ScheduledBatch):
-        """Flattened inputs for one step; the per-token arrays are built with numpy."""
-        bs = self.block_size
-        seqs, counts = batch.seqs, batch.num_new_tokens
-        n_seqs = len(seqs)
-        total = sum(counts)
-        input_ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
-        slots = np.empty(total, dtype=np.int64)
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = np.zeros((n_seqs, max_blocks), dtype=np.int32)
-        seq_lens: list[int] = []
-        query_start = [0]
-        sample_rows: list[int] = []
-        sample_seqs: list[int] = []
-        cursor = 0
-        for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
-            start = seq.num_computed_tokens
-            end = start + n
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            tables[i, : len(table)] = table
-            pos = np.arange(start, end, dtype=np.int64)
-            input_ids[cursor : cursor + n] = seq.token_ids[start:end]
-            positions[cursor : cursor + n] = pos
-            slots[cursor : cursor + n] = table[pos // bs] * bs + pos % bs
-            cursor += n
-            seq_lens.append(end)
-            query_start.append(cursor)
-            if end == seq.num_tokens:  # every known token computed: sample the next one
-                sample_rows.append(cursor - 1)
-                sample_seqs.append(i)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-            num_decodes=batch.num_decodes,
-            max_query_len=max(counts),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=list(counts),
-            seq_lens_cpu=seq_lens,
-        )
-        rows = torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True)
-        return (torch.from_numpy(input_ids).to(dev, non_blocking=True),
-                torch.from_numpy(positions).to(dev, non_blocking=True), meta, rows, sample_seqs)
+    def _gather_placeholders(self, plan: StepPlan, ids: torch.Tensor) -> None:
+        """ids[row] = previous step's sampled id, for each placeholder row (on the device)."""
+        src = self._last_tokens
+        rows, srcs = plan.placeholder_rows, plan.placeholder_src
+        m = len(rows)
+        if rows[-1] == m - 1 and srcs[-1] == m - 1 and srcs == rows:
+            ids[:m].copy_(src[:m])  # the usual decode step: the same sequences, in order
+        else:
+            inp = self.inputs
+            r = inp.index_rows(inp.h_ph_rows, m)
+            s = inp.index_rows(inp.h_ph_src, m)
+            ids.index_copy_(0, r, src.index_select(0, s))
+
+    # -- the forwards: decode graph, piecewise graphs, eager --------------------------------
+
+    def _forward(self, plan: StepPlan, ids: torch.Tensor, pos: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, int]:
+        """hidden [num_tokens, H] and the padding rows computed beyond the step's tokens."""
+        g = self.graphs
+        if g is not None and plan.is_decode:
+            bs = g.padded_size(plan.num_seqs)
+            if bs is not None:
+                return self._forward_decode_graph(ids, pos, meta), bs - plan.num_seqs
+        pw = self.piecewise
+        if pw is not None:
+            t = pw.padded_size(plan.num_tokens)
+            if t is not None:
+                return self._forward_piecewise(t, ids, pos, meta), t - plan.num_tokens
+        return self._forward_eager(ids, pos, meta), 0
+
+    def _forward_decode_graph(self, ids: torch.Tensor, pos: torch.Tensor,
+                              meta: AttentionMetadata) -> torch.Tensor:
+        self.num_graph_steps += 1
+        return self.graphs.run(ids, pos, meta)
+
+    def _forward_piecewise(self, t: int, ids: torch.Tensor, pos: torch.Tensor,
+                           meta: AttentionMetadata) -> torch.Tensor:
+        pw = self.piecewise
+        n = ids.shape[0]
+        # rows n..t-1 keep ids and positions of earlier steps: stale but valid
+        pw.input_ids[:n].copy_(ids)
+        pw.positions[:n].copy_(pos)
+        self.num_piecewise_steps += 1
+        with forward_context(meta):
+            return pw.run(t, n)
+
+    def _forward_eager(self, ids: torch.Tensor, pos: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        with forward_context(meta):
+            return self.model(ids, pos)
+
+    # -- the sampling tail ------------------------------------------------------------------
+
+    def _sample(self, batch: ScheduledBatch, plan: StepPlan, hidden: torch.Tensor,
+                rows: torch.Tensor | None, padding: int) -> RunnerStep:
+        k = len(plan.sample_seqs)
+        if not k:
+            self._last_tokens, self._last_index = None, {}
+            return RunnerStep(batch, [], None, None, None, None, padding)
+        h = hidden[:k] if rows is None else hidden.index_select(0, rows)
+        logits = self.model.compute_logits(h)
+        seqs = batch.seqs
+        sampled_seqs = [seqs[i] for i in plan.sample_seqs]
+        tokens, logprobs = self.sampler.sample(logits, sampled_seqs)
+        host = ready = None
+        if self._token_events:  # CUDA: start the copy to the host now, wait for it later
+            p = self._parity
+            self._parity = 1 - p
+            host, ready = self._host_tokens[p], self._token_events[p]
+            host[:k].copy_(tokens, non_blocking=True)
+            ready.record()
+        self._last_tokens = tokens
+        self._last_index = {s: j for j, s in enumerate(sampled_seqs)}
+        return RunnerStep(batch, plan.sample_seqs, tokens, host, ready, logprobs, padding)

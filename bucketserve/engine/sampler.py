@@ -42,7 +42,8 @@ class SamplerOutput:
 
 
 def _min_tokens_active(seq: Sequence) -> bool:
-    return seq.num_output_tokens < seq.params.min_tokens
+    # tokens still on the device (overlapped scheduling) were generated too
+    return seq.num_output_tokens + seq.num_pending < seq.params.min_tokens
 
 
 def _counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -114,6 +115,14 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        tokens, logprobs = self.sample(logits, seqs)
+        return SamplerOutput(tokens.tolist(), logprobs or [None] * len(seqs))
+
+    def sample(self, logits: torch.Tensor,
+               seqs: list[Sequence]) -> tuple[torch.Tensor, list[TokenLogprob | None] | None]:
+        """-> (token ids [B] long on the logits' device, logprobs per row or None when no row
+        asks for them). Plain greedy batches never wait for the device here (the caller
+        copies the ids to the host when it needs them); rows with top-p or logprobs do."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab], got {tuple(logits.shape)}")
         # Common case: plain greedy everywhere -> one argmax, nothing else. The argmax runs on
@@ -125,11 +134,12 @@ class Sampler:
             p = s.params
             if (p.temperature >= 1e-5 or p.logprobs is not None or p.repetition_penalty != 1.0
                     or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                    or (p.min_tokens and len(s.token_ids) - s.num_prompt_tokens < p.min_tokens)):
+                    or (p.min_tokens and len(s.token_ids) + s.num_pending - s.num_prompt_tokens
+                        < p.min_tokens)):
                 plain = False
                 break
         if plain:
-            return SamplerOutput(torch.argmax(logits, dim=-1).tolist(), [None] * len(seqs))
+            return torch.argmax(logits, dim=-1), None
         if logits.dtype != torch.float32:
             logits = logits.float()
 
@@ -139,8 +149,9 @@ class Sampler:
         sampled_rows = [i for i, s in enumerate(seqs) if not (s.params.greedy or s.params.top_k == 1)]
         if sampled_rows:
             tokens[sampled_rows] = self._sample(logits[sampled_rows], [seqs[i] for i in sampled_rows])
-        token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(raw, seqs, token_ids))
+        if not any(s.params.logprobs is not None for s in seqs):
+            return tokens, None
+        return tokens, self._logprobs(raw, seqs, tokens.tolist())
 
     # -- logit processing -------------------------------------------------------------------
 
@@ -225,8 +236,8 @@ class Sampler:
             sub = probs[p_rows]
             probs[p_rows] = sub.masked_fill(_top_p_drop(sub, top_p), 0.0)
 
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-        if bool((min_p > 0).any()):
+        if any(p.min_p > 0 for p in params):  # (decided on the host: no device sync)
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
             max_prob = probs.max(dim=-1, keepdim=True).values  # [R, 1]
             probs = probs.masked_fill(probs < min_p.unsqueeze(1) * max_prob, 0.0)
 

@@ -25,9 +25,18 @@ Policy (one `schedule()` call = one step):
    limit and its bucket.
 4. Under ``policy = "fcfs"`` the request priority is ignored: arrival order alone.
 
-The scheduler never touches tensors. `update()` appends the sampled tokens, applies the
-token-level stops (EOS unless ignore_eos after min_tokens, stop token ids, max_tokens, the
-model's context length) and frees finished sequences' blocks in the same step.
+The scheduler never touches tensors. A step's bookkeeping comes in two calls: `on_launched()`
+when the step has been handed to the runner (its tokens count as computed; a sequence that
+samples owes one token, `seq.num_pending`), and `on_sampled()` when a sampled token reaches
+the host: it is appended, the token-level stops apply (EOS unless ignore_eos after
+min_tokens, stop token ids, max_tokens, the model's context length) and a finished
+sequence's blocks are freed at once. `update()` does both for a step run synchronously.
+
+Overlapped scheduling calls `schedule()` for step N+1 before step N's tokens are on the
+host, so a decoding sequence is scheduled on its pending token (its id is read on the
+device). Its stops are learnt one step late: the token computed for it in step N+1 is
+dropped (`on_sampled` ignores finished sequences). A sequence whose pending token is
+certainly its last (max_tokens, context length) is not scheduled again.
 """
 
 from __future__ import annotations
@@ -140,7 +149,10 @@ class Scheduler:
                 break
             if seq.status is not running_status:
                 continue  # preempted earlier in this loop
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget, self.max_prefill_tokens)
+            total = len(seq.token_ids) + seq.num_pending
+            if seq.num_pending and self._length_done(seq, total):
+                continue  # its pending token is its last: it finishes when that arrives
+            n = min(total - seq.num_computed_tokens, budget, self.max_prefill_tokens)
             while not self.blocks.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -187,6 +199,8 @@ class Scheduler:
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(admitted) >= self.max_running:
                 break
+            if seq.num_pending:
+                break  # preempted with a token in flight: readmitted once it has arrived
             # prefix cache: the cached full blocks it starts from ([] when caching is off);
             # only the uncached rest counts against the budget and picks the bucket
             prefix = self.blocks.lookup(seq)
@@ -234,12 +248,22 @@ class Scheduler:
         return ScheduledBatch(seqs, num_new, len(decodes), kind, bucket, preempted, useful, left)
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Advances the sequences of `batch`; `sampled[i]` is the new token of
-        batch.seqs[i] (None when it is still in its prompt). Returns those that finished."""
-        finished: list[Sequence] = []
+        """A step run synchronously: `on_launched` then `on_sampled` for each token.
+        `sampled[i]` is the new token of batch.seqs[i] (None when it is still in its
+        prompt). Returns the sequences that finished."""
+        self.on_launched(batch, [i for i, t in enumerate(sampled) if t is not None])
+        finished = []
+        for seq, token in zip(batch.seqs, sampled, strict=True):
+            if token is not None and self.on_sampled(seq, token):
+                finished.append(seq)
+        return finished
+
+    def on_launched(self, batch: ScheduledBatch, samples: list[int]) -> None:
+        """The runner has taken the step: its tokens count as computed, and the sequences at
+        batch indices `samples` each owe one sampled token (num_pending)."""
         finished_status = SequenceStatus.FINISHED
         caching, cache_computed = self.blocks.enable_caching, self.blocks.cache_computed
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.status is finished_status:
                 continue
             computed = seq.num_computed_tokens + n
@@ -247,15 +271,29 @@ class Scheduler:
             if computed > seq.num_ever_computed:
                 seq.num_ever_computed = computed
             if caching:  # prefix cache: full blocks whose K/V this step wrote become reusable
-                cache_computed(seq)
-            if token is None:
-                continue
-            seq.token_ids.append(token)
-            reason = self._token_stop(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
-        return finished
+                cache_computed(seq)  # (launched steps run in order: later readers wait)
+        seqs = batch.seqs
+        for i in samples:
+            seqs[i].num_pending += 1
+
+    def on_sampled(self, seq: Sequence, token: int) -> bool:
+        """A sampled token reached the host: appends it and applies the token stops. True when
+        the sequence finished now. A sequence that finished before (a stop learnt one step
+        late, an abort) ignores it: the token was computed after its end and is dropped."""
+        if seq.status is SequenceStatus.FINISHED:
+            return False
+        seq.num_pending -= 1
+        seq.token_ids.append(token)
+        reason = self._token_stop(seq, token)
+        if reason is None:
+            return False
+        self.finish(seq, reason)
+        return True
+
+    def _length_done(self, seq: Sequence, num_tokens: int) -> bool:
+        """A sequence of num_tokens tokens (pending ones included) needs no more."""
+        return (num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
+                or num_tokens >= self.max_model_len)
 
     def _token_stop(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

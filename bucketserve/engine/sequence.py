@@ -103,6 +103,10 @@ class Sequence:
     token_ids = prompt + generated so far. `num_computed_tokens` of them have their K/V
     in the pool. After a preemption it falls back to 0 and the whole sequence (prompt and
     generated tokens) is recomputed; generated tokens are never thrown away.
+
+    With overlapped scheduling a sampled token reaches the host one step after the step
+    that sampled it: `num_pending` counts tokens sampled on the device and not yet appended
+    to token_ids (placeholders; the next step reads their ids on the device).
     """
 
     def __init__(
@@ -124,6 +128,7 @@ class Sequence:
         self.deadline = None if queue_timeout_s is None else self.arrival_time + queue_timeout_s
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_pending = 0  # sampled on the device, not yet in token_ids
         # the most tokens ever computed: recomputation after a preemption is not useful work
         self.num_ever_computed = 0
         self.block_table: list[int] = []
@@ -162,7 +167,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

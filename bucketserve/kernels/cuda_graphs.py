@@ -10,9 +10,12 @@ pool. A step of n decodes is padded up to the smallest captured size >= n:
     rows n..bs-1  dummies: token 0 at position 0, seq_len 1, block table row of zeros and
                   slot 0, so they write into and read from the reserved dummy block 0 only
 
-Steps with prefills, or more decodes than the largest size, do not use these graphs
-(`padded_size` returns None): the runner gives them to PiecewiseGraphs below, or runs them
-eagerly. The dummy rows are padding: the engine counts them as computed, not useful, tokens. Works with any AttentionBackend whose forward does no
+`run()` is what the runner calls for such a step: it copies the step's device inputs into
+the static buffers (device-to-device, no host sync), turns rows left over from a larger
+step back into dummies and replays. Steps with prefills, or more decodes than the largest
+size, do not use these graphs (`padded_size` returns None): the runner gives them to
+PiecewiseGraphs below, or runs them eagerly. The dummy rows are padding: the engine counts
+them as computed, not useful, tokens. Works with any AttentionBackend whose forward does no
 host sync (TritonAttentionBackend).
 """
 
@@ -154,17 +157,6 @@ class DecodeGraphs:
         return self.outputs[bs][:n]
 
 
-def piecewise_sizes(max_tokens: int,
-                    boundaries: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)) -> list[int]:
-    """Token counts the piecewise graphs are captured at: the prefill bucket boundaries below
-    `max_tokens` (the step budget), multiples of 1024 below it, and the budget itself. With
-    the default boundaries a step pads to at most 2x rows when small and at most 1024 rows
-    above 1024."""
-    sizes = [b for b in boundaries if b < max_tokens]
-    sizes += list(range(1024, max_tokens, 1024))
-    return sorted({*sizes, max_tokens})
-
-
 class PiecewiseGraphs:
     """Prefill and mixed steps as CUDA graphs of everything but attention.
 
@@ -180,7 +172,9 @@ class PiecewiseGraphs:
         between[T][i]   o, res, positions       -> res, q, k, v   (layer i after attention, layer i+1 to it)
         last[T]         o, res                  -> h              (last layer after attention, final norm)
 
-    A step of n tokens runs at the smallest T >= n: rows n..T-1 are padding. They hold stale
+    The sizes come from the TOML (`prefill.piecewise_sizes`, see
+    BucketsConfig.piecewise_token_counts). A step of n tokens runs at the smallest T >= n:
+    rows n..T-1 are padding. They hold stale
     but valid ids and positions, every op in a stage is row-wise, and attention runs eagerly
     on the n real rows only (its K/V write and grid come from the step's metadata), so padding
     rows never reach the KV pool or a real row. Capture is largest T first, into one pool;

@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append one JSON line per finished request (timings, lengths, bucket)")
     s.add_argument("--request-log-text", action="store_true",
                    help="with --request-log: also log the generated text (never logged otherwise)")
+    s.add_argument("--nvtx", action="store_true", help="NVTX range per engine step (cuda; for Nsight Systems)")
     from bucketserve.bench.cli import add_bench_parser, add_tune_parser
 
     add_bench_parser(sub)
@@ -95,11 +96,11 @@ def load_engine(args: argparse.Namespace):
     load_buckets(args.buckets)  # a bad file fails here, before a process is started
     if args.engine_in_process:
         engine = AsyncEngine.in_process(build_engine(args.model, args.device, args.dtype,
-                                                     args.buckets))
+                                                     args.buckets, args.nvtx))
     else:
         t0 = time.perf_counter()
         engine = AsyncEngine.spawn(args.model, args.device, args.dtype, args.buckets,
-                                   args.log_level)
+                                   args.log_level, args.nvtx)
         log.info("engine core ready in process %d after %.1f s", engine.core.pid,
                  time.perf_counter() - t0)
     return engine, load_buckets(args.buckets, max_model_len=engine.max_model_len)
