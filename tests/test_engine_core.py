@@ -49,8 +49,11 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-def test_core_sends_one_message_per_step_holding_every_sequence(loaded, tmp_path) -> None:
-    engine = make_engine(loaded, tmp_path)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_core_sends_one_message_per_step_holding_every_sequence(loaded, tmp_path,
+                                                                overlap) -> None:
+    engine = make_engine(loaded, tmp_path,
+                         f"[scheduler]\nasync_scheduling = {str(overlap).lower()}\n")
     core = EngineCore(engine)
     adds = [AddRequest(f"r{i}", p, greedy(m, detokenize=False), 0, time.monotonic())
             for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True))]
@@ -63,17 +66,21 @@ def test_core_sends_one_message_per_step_holding_every_sequence(loaded, tmp_path
         return [] if core.has_work() else [Shutdown()]
 
     run_core_loop(core, receive, sent.append)
-    assert engine.stats.num_steps == len(sent) > 0
-    assert all(m.stats is not None for m in sent)
+    steps = [m for m in sent if m.stats is not None]
+    assert engine.stats.num_steps == len(steps) > 0
+    # Overlapped, a message carries the tokens of the step launched before it, and one last
+    # message without a step of its own brings the final step's tokens.
+    assert len(sent) == len(steps) + overlap and (sent[-1].stats is None) == overlap
     tokens: dict[str, list[int]] = {a.request_id: [] for a in adds}
-    for m in sent:
+    for k, m in enumerate(sent):
         rids = [o.request_id for o in m.outputs]
         assert len(rids) == len(set(rids)), "one entry per sequence per message"
-        if m.stats.kind == "decode":
-            assert len(m.outputs) == m.stats.num_seqs
+        ran = sent[k - overlap].stats if k >= overlap else None  # the step these tokens are of
+        if ran is not None and ran.kind == "decode":
+            assert len(m.outputs) == ran.num_seqs
         for o in m.outputs:
             tokens[o.request_id] += o.new_token_ids
-    assert max(m.stats.num_decode_seqs for m in sent) == 3  # the three decoded in one step
+    assert max(m.stats.num_decode_seqs for m in steps) == 3  # the three decoded in one step
     last = sent[-1]
     assert last.num_added == 3 and last.kv_blocks_used == 0 and last.num_running == 0
     reasons = [o.finish_reason for m in sent for o in m.outputs if o.finish_reason]
