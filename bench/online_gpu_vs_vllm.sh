@@ -53,7 +53,7 @@ if [ -z "${SKIP_OURS:-}" ]; then
     --embedding-model none --device "$DEV" > "$OUT/ours_${SHAPE}_server.log" 2>&1 &
   BP=$!; if up 8200 $BP; then load 8200 ours; else tail -20 "$OUT/ours_${SHAPE}_server.log"; fi
   kill -TERM $BP 2>/dev/null; wait $BP 2>/dev/null
-  [ -z "${SKIP_OFFLINE:-}" ] && python3 bench/offline_workload.py --model "$M" --workload "$WORKLOAD" \
+  [ -z "${SKIP_OFFLINE:-}" ] && PYTHONPATH="$ROOT:${PYTHONPATH:-}" python3 bench/offline_workload.py --model "$M" --workload "$WORKLOAD" \
     --device "$DEV" --repeats "$REPS" --out "$OUT/offline_${SHAPE}.json" > "$OUT/offline_${SHAPE}.log" 2>&1
 fi
 python3 bench/summarize_online.py "$OUT" "$SHAPE" | tee "$OUT/summary_${SHAPE}.txt"

@@ -88,8 +88,11 @@ def _positive_int(value: Any) -> int:
 # steps finish prompts in fewer steps; on CPU the step time grows with its tokens, and a smaller
 # budget keeps decodes that share the step from stalling behind long prompts.
 AUTO_STEP_TOKENS = {"cpu": 2048, "cuda": 8192}
-# `async_scheduling = "auto"` on the CPU (on for CUDA), chosen by measurement: see default.toml.
-AUTO_ASYNC_CPU = True
+# `async_scheduling = "auto"` on the CPU (it is on for CUDA). Off: measured on the 2-core dev
+# machine (bench/offline_throughput.py, mixed workload, ABBA runs) it gains nothing there (CPU
+# ops run in the engine's thread, so nothing overlaps; CPU time per run within 1%), and a
+# request that ends by EOS or a stop would cost one more decode row.
+AUTO_ASYNC_CPU = False
 
 
 def _step_tokens(value: Any) -> int | str:

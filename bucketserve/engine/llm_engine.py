@@ -6,7 +6,7 @@ then a step's sampled ids are read back (`RunnerStep.result()`, the one host syn
 `_resolve` hands each token to `scheduler.on_sampled()` (stops, freeing blocks) and to the
 output processor (text, stop strings).
 
-Overlapped scheduling (`async_scheduling`, on by default): step N is resolved after step
+Overlapped scheduling (`async_scheduling`, by default on for CUDA): step N is resolved after step
 N+1 has been scheduled and launched, so the host schedules, builds inputs and processes
 outputs while the device computes. A decode row of N+1 reads its input id from N's sampled
 ids on the device; a stop found in N's tokens ends the sequence one step late, and the
