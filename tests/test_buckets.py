@@ -20,6 +20,7 @@ from bucketserve.buckets import (
     PaddingCounter,
     default_buckets_path,
     load_buckets,
+    round_up_batch_size,
 )
 from bucketserve.buckets.__main__ import main as cli_main
 
@@ -541,3 +542,12 @@ def test_buckets_config_fields() -> None:
                           "max_running", "max_batched_tokens", "max_waiting", "queue_timeout_s",
                           "policy", "max_prefill_share", "async_scheduling", "block_size",
                           "cpu_memory_gib", "gpu_memory_fraction", "prefix_caching", "embedding"]
+
+
+def test_round_up_batch_size() -> None:
+    sizes = tuple(DOCUMENTED_DEFAULTS["decode"]["batch_sizes"])
+    for n in range(1, sizes[-1] + 3):
+        assert round_up_batch_size(n, sizes) == brute_lookup(sizes, n), n
+    assert round_up_batch_size(sizes[-1] + 1, sizes) is None
+    with pytest.raises(ValueError):
+        round_up_batch_size(0, sizes)

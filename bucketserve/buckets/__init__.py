@@ -8,7 +8,7 @@ from bucketserve.buckets.config import (
     default_buckets_path,
     load_buckets,
 )
-from bucketserve.buckets.spec import BucketSpec, PaddingCounter
+from bucketserve.buckets.spec import BucketSpec, PaddingCounter, round_up_batch_size
 
 __all__ = [
     "POLICIES",
@@ -19,4 +19,5 @@ __all__ = [
     "PaddingCounter",
     "default_buckets_path",
     "load_buckets",
+    "round_up_batch_size",
 ]

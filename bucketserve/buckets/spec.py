@@ -10,7 +10,7 @@ The same arithmetic rounds a decode batch up to the next CUDA Graph capture size
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 
 class BucketSpec:
@@ -79,6 +79,16 @@ class BucketSpec:
 
     def __repr__(self) -> str:
         return f"BucketSpec({list(self.boundaries)})"
+
+
+def round_up_batch_size(n: int, batch_sizes: Sequence[int]) -> int | None:
+    """The smallest captured batch size >= n, or None above the largest one (the batch then
+    runs eagerly). batch_sizes must be strictly increasing. (The embedding encoder's CUDA
+    graphs and its queue use it.)"""
+    if n < 1:
+        raise ValueError(f"batch size must be >= 1, got {n}")
+    i = bisect_left(batch_sizes, n)
+    return batch_sizes[i] if i < len(batch_sizes) else None
 
 
 class PaddingCounter:

@@ -107,14 +107,10 @@ def load_engine(args: argparse.Namespace):
 
 
 def load_add_ons(args: argparse.Namespace, buckets) -> list[AddOn]:
-    """The embeddings service, when its module exists and a model is asked for."""
+    """The embeddings service, when a model is asked for."""
     if args.embedding_model.lower() == "none":
         return []
-    try:
-        from bucketserve.server import embeddings
-    except ImportError:
-        log.warning("no embeddings module in this build: /v1/embeddings is not served")
-        return []
+    from bucketserve.server import embeddings  # a broken import must fail the start, loudly
     t0 = time.perf_counter()
     name = args.embedding_dtype or args.dtype
     # float16 keeps more mantissa than bfloat16: the encoder's vectors stay within cosine
