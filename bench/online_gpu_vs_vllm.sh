@@ -49,11 +49,13 @@ if [ -z "${SKIP_VLLM:-}" ] && [ -n "${VLLM_SITE:-}" ]; then
   kill $VP 2>/dev/null; wait $VP 2>/dev/null; sleep 3
 fi
 if [ -z "${SKIP_OURS:-}" ]; then
-  python3 -m bucketserve.server.cli serve --host 127.0.0.1 --port 8200 --model "$M" \
+  # the timed runs repeat the same prompts: prefix caching off on both sides (PREFIX=1 keeps ours on)
+  B="$OUT/ours.toml"; [ -n "${PREFIX:-}" ] && : > "$B" || printf '[kv_cache]\nprefix_caching = false\n' > "$B"
+  python3 -m bucketserve.server.cli serve --buckets "$B" --host 127.0.0.1 --port 8200 --model "$M" \
     --embedding-model none --device "$DEV" > "$OUT/ours_${SHAPE}_server.log" 2>&1 &
   BP=$!; if up 8200 $BP; then load 8200 ours; else tail -20 "$OUT/ours_${SHAPE}_server.log"; fi
   kill -TERM $BP 2>/dev/null; wait $BP 2>/dev/null
   [ -z "${SKIP_OFFLINE:-}" ] && PYTHONPATH="$ROOT:${PYTHONPATH:-}" python3 bench/offline_workload.py --model "$M" --workload "$WORKLOAD" \
-    --device "$DEV" --repeats "$REPS" --out "$OUT/offline_${SHAPE}.json" > "$OUT/offline_${SHAPE}.log" 2>&1
+    --device "$DEV" --buckets "$B" --repeats "$REPS" --out "$OUT/offline_${SHAPE}.json" > "$OUT/offline_${SHAPE}.log" 2>&1
 fi
 python3 bench/summarize_online.py "$OUT" "$SHAPE" | tee "$OUT/summary_${SHAPE}.txt"
