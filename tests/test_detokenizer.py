@@ -252,9 +252,13 @@ def test_byte_level_random_ids_equal_full_decode(smollm2_tok, skip):
 
 def test_long_texts_encode_the_same_and_max_token_bytes_bounds_the_count(smollm2_tok):
     text = ("Ünïcode, code    and numbers 12345.\n" * 800) + "#" * 300
-    assert len(text) > 16384  # the GIL-releasing batch path
+    from bucketserve.models.tokenizer import _LONG_TEXT_CHARS
+
+    assert len(text) > _LONG_TEXT_CHARS  # the GIL-releasing batch path
     ids = smollm2_tok.encode(text)
     assert ids == smollm2_tok.backend.encode(text).ids
+    short = text[:_LONG_TEXT_CHARS]  # the plain path, on the same text
+    assert smollm2_tok.encode(short) == smollm2_tok.backend.encode(short).ids
     per = smollm2_tok.max_token_bytes
     assert per == max(len(smollm2_tok.token_bytes(i)) for i in range(smollm2_tok.vocab_size))
     for sample in (text, " " * 5000, "#" * 5000, "\n" + " " * 80):

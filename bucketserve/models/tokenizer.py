@@ -110,7 +110,7 @@ _BYTE_LEVEL_CHARS = _byte_level_chars()
 
 # Texts longer than this are encoded through the batch call, which releases the GIL (a server
 # tokenizing a long prompt in a worker thread keeps its event loop running).
-_LONG_TEXT_CHARS = 16384
+_LONG_TEXT_CHARS = 2048
 
 
 class Tokenizer:

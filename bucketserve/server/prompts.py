@@ -27,7 +27,7 @@ class TokenizerLike(Protocol):
                             add_generation_prompt: bool = True) -> str: ...
 
 
-INLINE_TOKENIZE_CHARS = 16384  # longer request texts are tokenized in a worker thread
+INLINE_TOKENIZE_CHARS = 2048  # longer request texts are tokenized in a worker thread
 
 
 @dataclass
