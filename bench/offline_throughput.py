@@ -60,8 +60,10 @@ def run_bucketserve(requests, buckets_path: str | None, loaded=None,
     host = _time_cache_calls(engine.block_manager) if prefix_caching else None
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in requests]
     t0 = time.perf_counter()
+    c0 = time.process_time()
     outs = engine.generate([ids for ids, _ in requests], params)
     elapsed = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     n_out = sum(o.num_output_tokens for o in outs)
     assert n_out == sum(m for _, m in requests), "every request must yield exactly max_tokens"
     s = engine.stats
@@ -69,6 +71,8 @@ def run_bucketserve(requests, buckets_path: str | None, loaded=None,
     return {
         "system": "bucketserve",
         "seconds": round(elapsed, 2),
+        # this process's CPU time (all threads): less swayed than wall time by other jobs
+        "cpu_seconds": round(cpu, 2),
         "output_tokens": n_out,
         "output_tokens_per_s": round(n_out / elapsed, 1),
         "padding_waste": round(s.padding_waste, 4),
@@ -112,9 +116,16 @@ def prefix_caching_ab(requests, buckets_path: str | None, repeats: int) -> dict:
             print(json.dumps(r), flush=True)
             runs[caching].append(r)
     med = {c: statistics.median(r["output_tokens_per_s"] for r in runs[c]) for c in runs}
+    cpu = {c: statistics.median(r["cpu_seconds"] for r in runs[c]) for c in runs}
+    host = statistics.median(r["prefix_cache_host_s"] for r in runs[True])
     return {"off": runs[False], "on": runs[True],
             "median_tokens_per_s_off": med[False], "median_tokens_per_s_on": med[True],
-            "ratio_on_over_off": round(med[True] / med[False], 4)}
+            "ratio_on_over_off": round(med[True] / med[False], 4),
+            "median_cpu_s_off": cpu[False], "median_cpu_s_on": cpu[True],
+            "cpu_ratio_on_over_off": round(cpu[True] / cpu[False], 4),
+            "median_prefix_cache_host_s": host,
+            "prefix_cache_host_share_of_wall": round(
+                host / statistics.median(r["seconds"] for r in runs[True]), 6)}
 
 
 def run_hf_static(requests, batch_size: int) -> dict:
