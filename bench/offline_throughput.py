@@ -117,9 +117,16 @@ def prefix_caching_ab(requests, buckets_path: str | None, repeats: int) -> dict:
             print(json.dumps(r), flush=True)
             runs[caching].append(r)
     med = {c: statistics.median(r["output_tokens_per_s"] for r in runs[c]) for c in runs}
+    cpu = {c: statistics.median(r["cpu_seconds"] for r in runs[c]) for c in runs}
+    host = statistics.median(r["prefix_cache_host_s"] for r in runs[True])
     return {"off": runs[False], "on": runs[True],
             "median_tokens_per_s_off": med[False], "median_tokens_per_s_on": med[True],
-            "ratio_on_over_off": round(med[True] / med[False], 4)}
+            "ratio_on_over_off": round(med[True] / med[False], 4),
+            "median_cpu_s_off": cpu[False], "median_cpu_s_on": cpu[True],
+            "cpu_ratio_on_over_off": round(cpu[True] / cpu[False], 4),
+            "median_prefix_cache_host_s": host,
+            "prefix_cache_host_share_of_wall": round(
+                host / statistics.median(r["seconds"] for r in runs[True]), 6)}
 
 
 def run_hf_static(requests, batch_size: int) -> dict:
