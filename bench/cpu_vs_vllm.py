@@ -38,7 +38,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"
+# ../shared beside the checkout (or two levels up, from a git worktree under wt/)
+SHARED = next((p for p in (ROOT.parent / "shared", ROOT.parent.parent / "shared") if p.is_dir()),
+              ROOT.parent / "shared")
 WORKLOADS = SHARED / "workloads"
 LOADGEN = SHARED / "bench" / "loadgen.py"
 
