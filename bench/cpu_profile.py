@@ -5,9 +5,11 @@ split by step kind (steps with prompt tokens vs pure decode steps):
 
   prefill_attention   causal attention of the prompt chunks (SDPA)
   decode_attention    paged decode attention (the C kernel, or the torch path)
-  kv_write            K/V into the pool
+  kv_write            K/V into the pool (with the C kernels: rotary + K/V write)
+  norms, silu_mul     the C kernels' RMSNorm (+ residual add) and SiLU-and-mul
   projections         q/k/v, o, gate/up, down GEMMs (Linear.forward)
-  model_other         the rest of the forward: embedding, norms, rotary, SiLU, residual adds
+  model_other         the rest of the forward: embedding, Python; without the C kernels also
+                      norms, rotary, SiLU, residual adds
   lm_head             compute_logits
   sampler             token selection
   prepare             the runner's input building
@@ -130,6 +132,10 @@ def main() -> None:
     attention._decode_attention = clk.wrap("decode_attention", attention._decode_attention)
     attention.write_kv = clk.wrap("kv_write", attention.write_kv)
     llama.Linear.forward = clk.wrap("projections", llama.Linear.forward)
+    llama._linear = clk.wrap("projections", llama._linear)  # the C-kernel forward's GEMMs
+    cpu_decode.rope_write_kv = clk.wrap("kv_write", cpu_decode.rope_write_kv)  # + rotary
+    cpu_decode.rms_norm = clk.wrap("norms", cpu_decode.rms_norm)
+    cpu_decode.silu_mul = clk.wrap("silu_mul", cpu_decode.silu_mul)
     model = loaded.model
     model.forward = clk.wrap("model_forward", model.forward)
     model.compute_logits = clk.wrap("lm_head", model.compute_logits)
@@ -169,9 +175,11 @@ def main() -> None:
         for d, label in ((clk.wall, "wall"), (clk.cpu, "cpu")):
             fwd = g("model_forward", d)
             parts = {n: g(n, d) for n in ("prefill_attention", "decode_attention", "kv_write",
-                                          "projections", "lm_head", "sampler", "prepare")}
-            parts["model_other"] = fwd - parts["prefill_attention"] - parts["decode_attention"] \
-                - parts["kv_write"] - parts["projections"]
+                                          "projections", "norms", "silu_mul", "lm_head",
+                                          "sampler", "prepare")}
+            parts["model_other"] = fwd - sum(parts[n] for n in (
+                "prefill_attention", "decode_attention", "kv_write", "projections", "norms",
+                "silu_mul"))
             parts["runner_run"] = g("runner_run", d)
             table[f"{kind}_{label}"] = {k: round(v, 3) for k, v in parts.items()}
     step_wall = clk.wall.get("all:step", 0.0)

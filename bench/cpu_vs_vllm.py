@@ -3,6 +3,9 @@
 Parts (all by default, in this order, one system at a time on the same machine):
 
   served   `bucketserve serve` and vLLM's OpenAI server (prefix caching off), each driven by
+           (system `bucketserve-t1`: bucketserve with BUCKETSERVE_CPU_THREADS=1, the other
+           thread layout; vLLM's CPU build runs its model on one core and keeps the other
+           for its front end)
            the shared load client (../shared/bench/loadgen.py: streaming completions, closed
            loop at --concurrency, EOS ignored) on each workload, --runs times after a warm-up;
            medians of output tokens/s
@@ -117,9 +120,11 @@ def loadgen(client_python: str, port: int, model: str, workload: Path, concurren
 
 def served(system: str, args, workloads: list[Path], tmp: Path) -> dict:
     port = free_port()
-    env = dict(os.environ) if system == "bucketserve" else peer_env()
+    env = dict(os.environ) if system.startswith("bucketserve") else peer_env()
     log = open(tmp / f"{system}_server.log", "w")
-    if system == "bucketserve":
+    if system.startswith("bucketserve"):
+        if system == "bucketserve-t1":  # the other thread layout: one compute thread
+            env["BUCKETSERVE_CPU_THREADS"] = "1"
         cmd = [sys.executable, "-m", "bucketserve.server.cli", "serve", "--port", str(port),
                "--model", args.hf_dir, "--embedding-model", "none", "--dtype", "float32",
                "--log-level", "warning"]
@@ -145,7 +150,8 @@ def served(system: str, args, workloads: list[Path], tmp: Path) -> dict:
             for r in range(args.runs):
                 la = load_avg()
                 s = loadgen(args.client_python, port, model, wl, args.concurrency,
-                            tmp / f"{system}_{wl.stem}_{r}.json", f"{system} {wl.stem} run {r}")
+                            tmp / f"{system}_{wl.stem}_{r}.json", f"{system} {wl.stem} run {r}",
+                            limit=args.limit)
                 runs.append({"output_tok_s": round(s["output_throughput"], 1),
                              "duration_s": round(s["duration_s"], 2),
                              "errors": s["errors"], "completed": s["completed"],
@@ -191,33 +197,44 @@ for _ in range(runs):
     tps, dt = go(reqs)
     res.append({"output_tok_s": round(tps, 1), "seconds": round(dt, 2), "load_avg_1m_start": la})
     print("offline bucketserve", res[-1], file=sys.stderr, flush=True)
-print(json.dumps({"runs": res, "torch_threads": torch.get_num_threads(),
-                  "cpu_kernels": cpu_decode.build_info()}))
+with open(sys.argv[4], "w") as f:
+    json.dump({"runs": res, "torch_threads": torch.get_num_threads(),
+               "cpu_kernels": cpu_decode.build_info()}, f)
 """
 
 OFFLINE_VLLM = r"""
 import json, os, sys, time
-from vllm import LLM, SamplingParams
-reqs = json.load(open(sys.argv[1])); runs = int(sys.argv[3])
-llm = LLM(model=sys.argv[2], dtype="float32", enable_prefix_caching=False, max_model_len=8192)
-def go(rs):
-    prompts = [{"prompt_token_ids": ids} for ids, _ in rs]
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in rs]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert n == sum(m for _, m in rs), n
-    return n / dt, dt
-go(reqs[:4])
-res = []
-for _ in range(runs):
-    la = round(os.getloadavg()[0], 2)
-    tps, dt = go(reqs)
-    res.append({"output_tok_s": round(tps, 1), "seconds": round(dt, 2), "load_avg_1m_start": la})
-    print("offline vllm", res[-1], file=sys.stderr, flush=True)
-import vllm
-print(json.dumps({"runs": res, "vllm_version": vllm.__version__}))
+
+
+def main():
+    from vllm import LLM, SamplingParams
+    import vllm
+    reqs = json.load(open(sys.argv[1])); runs = int(sys.argv[3])
+    llm = LLM(model=sys.argv[2], dtype="float32", enable_prefix_caching=False, max_model_len=8192)
+
+    def go(rs):
+        prompts = [{"prompt_token_ids": ids} for ids, _ in rs]
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in rs]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert n == sum(m for _, m in rs), n
+        return n / dt, dt
+
+    go(reqs[:4])
+    res = []
+    for _ in range(runs):
+        la = round(os.getloadavg()[0], 2)
+        tps, dt = go(reqs)
+        res.append({"output_tok_s": round(tps, 1), "seconds": round(dt, 2), "load_avg_1m_start": la})
+        print("offline vllm", res[-1], file=sys.stderr, flush=True)
+    with open(sys.argv[4], "w") as f:
+        json.dump({"runs": res, "vllm_version": vllm.__version__}, f)
+
+
+if __name__ == "__main__":  # vLLM starts its engine core with multiprocessing spawn
+    main()
 """
 
 
@@ -228,12 +245,12 @@ def offline(system: str, args, reqs_path: Path, tmp: Path) -> dict:
     env = dict(os.environ) if system == "bucketserve" else peer_env()
     if system == "bucketserve":
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    log = open(tmp / f"offline_{system}.log", "w")
-    p = subprocess.run([python, str(script), str(reqs_path), args.hf_dir, str(args.offline_runs)],
-                       env=env, stdout=subprocess.PIPE, stderr=log, text=True, check=True,
+    result = tmp / f"offline_{system}.json"
+    with open(tmp / f"offline_{system}.log", "w") as log:
+        subprocess.run([python, str(script), str(reqs_path), args.hf_dir, str(args.offline_runs),
+                        str(result)], env=env, stdout=log, stderr=subprocess.STDOUT, check=True,
                        cwd=str(tmp))
-    log.close()
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = json.loads(result.read_text())
     out["median_output_tok_s"] = statistics.median(r["output_tok_s"] for r in out["runs"])
     print(f"offline {system}: {out['median_output_tok_s']} tok/s", flush=True)
     return out
@@ -251,6 +268,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--offline-runs", type=int, default=1)
+    ap.add_argument("--limit", type=int, default=None, help="only the first N requests (smoke runs)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_vs_vllm.json")
     ap.add_argument("--hf-worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -278,54 +296,57 @@ def main() -> None:
     def save() -> None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    with tempfile.TemporaryDirectory(prefix="cpu_vs_vllm_") as tmpdir:
-        tmp = Path(tmpdir)
-        if "served" in parts:
-            result["served"] = {}
-            for system in systems:
-                result["served"][system] = {"load_avg_1m_start": load_avg(),
-                                            **served(system, args, workloads, tmp)}
-                save()
-            if set(systems) >= {"bucketserve", "vllm"}:
-                result["served_ratio"] = {
-                    wl.stem: round(result["served"]["bucketserve"][wl.stem]["median_output_tok_s"]
-                                   / result["served"]["vllm"][wl.stem]["median_output_tok_s"], 2)
-                    for wl in workloads}
-                print("served ratio (bucketserve / vLLM):", result["served_ratio"], flush=True)
-        if "offline" in parts or "hf" in parts:
-            from transformers import AutoTokenizer
+    # the servers' logs and the load client's JSON stay there for inspection
+    tmp = Path(tempfile.mkdtemp(prefix="cpu_vs_vllm_"))
+    print(f"logs: {tmp}", flush=True)
+    result["logs"] = str(tmp)
+    if "served" in parts:
+        result["served"] = {}
+        for system in systems:
+            result["served"][system] = {"load_avg_1m_start": load_avg(),
+                                        **served(system, args, workloads, tmp)}
+            save()
+        if set(systems) >= {"bucketserve", "vllm"}:
+            result["served_ratio"] = {
+                wl.stem: round(result["served"]["bucketserve"][wl.stem]["median_output_tok_s"]
+                               / result["served"]["vllm"][wl.stem]["median_output_tok_s"], 2)
+                for wl in workloads}
+            print("served ratio (bucketserve / vLLM):", result["served_ratio"], flush=True)
+    if "offline" in parts or "hf" in parts:
+        from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(args.hf_dir)
-            rows = [json.loads(x) for x in (WORKLOADS / "mixed.jsonl").read_text().splitlines() if x.strip()]
-            reqs = [(tok.encode(r["prompt"], add_special_tokens=False), int(r["max_tokens"])) for r in rows]
-            reqs_path = tmp / "mixed_ids.json"
-            reqs_path.write_text(json.dumps(reqs))
-        if "offline" in parts:
-            result["offline"] = {}
-            for system in systems:
-                result["offline"][system] = {"load_avg_1m_start": load_avg(),
-                                             **offline(system, args, reqs_path, tmp)}
-                save()
-            if set(systems) >= {"bucketserve", "vllm"}:
-                result["offline_ratio"] = round(result["offline"]["bucketserve"]["median_output_tok_s"]
-                                                / result["offline"]["vllm"]["median_output_tok_s"], 2)
-                print("offline ratio (bucketserve / vLLM):", result["offline_ratio"], flush=True)
-        if "hf" in parts:
-            la = load_avg()
-            # its own process, with OMP_WAIT_POLICY=PASSIVE as bench/offline_throughput.py runs it
-            env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-            p = subprocess.run([sys.executable, __file__, "--hf-worker", str(reqs_path),
-                                "--hf-dir", args.hf_dir], env=env, check=True,
-                               stdout=subprocess.PIPE, text=True)
-            hf = json.loads(p.stdout.strip().splitlines()[-1])
-            hf["load_avg_1m_start"] = la
-            result["transformers_static"] = hf
-            print("transformers static:", hf, flush=True)
-            if "served" in result and "bucketserve" in result["served"]:
-                ours = result["served"]["bucketserve"]["mixed"]["median_output_tok_s"]
-                result["served_mixed_vs_transformers_static"] = round(ours / hf["output_tokens_per_s"], 2)
-        result["load_avg_1m_at_end"] = load_avg()
-        save()
+        tok = AutoTokenizer.from_pretrained(args.hf_dir)
+        rows = [json.loads(x) for x in (WORKLOADS / "mixed.jsonl").read_text().splitlines() if x.strip()]
+        reqs = [(tok.encode(r["prompt"], add_special_tokens=False), int(r["max_tokens"]))
+                for r in rows[:args.limit]]
+        reqs_path = tmp / "mixed_ids.json"
+        reqs_path.write_text(json.dumps(reqs))
+    if "offline" in parts:
+        result["offline"] = {}
+        for system in systems:
+            result["offline"][system] = {"load_avg_1m_start": load_avg(),
+                                         **offline(system, args, reqs_path, tmp)}
+            save()
+        if set(systems) >= {"bucketserve", "vllm"}:
+            result["offline_ratio"] = round(result["offline"]["bucketserve"]["median_output_tok_s"]
+                                            / result["offline"]["vllm"]["median_output_tok_s"], 2)
+            print("offline ratio (bucketserve / vLLM):", result["offline_ratio"], flush=True)
+    if "hf" in parts:
+        la = load_avg()
+        # its own process, with OMP_WAIT_POLICY=PASSIVE as bench/offline_throughput.py runs it
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        p = subprocess.run([sys.executable, __file__, "--hf-worker", str(reqs_path),
+                            "--hf-dir", args.hf_dir], env=env, check=True,
+                           stdout=subprocess.PIPE, text=True)
+        hf = json.loads(p.stdout.strip().splitlines()[-1])
+        hf["load_avg_1m_start"] = la
+        result["transformers_static"] = hf
+        print("transformers static:", hf, flush=True)
+        if "served" in result and "bucketserve" in result["served"]:
+            ours = result["served"]["bucketserve"]["mixed"]["median_output_tok_s"]
+            result["served_mixed_vs_transformers_static"] = round(ours / hf["output_tokens_per_s"], 2)
+    result["load_avg_1m_at_end"] = load_avg()
+    save()
     print(json.dumps({k: v for k, v in result.items() if k.endswith("ratio") or k.startswith("served_mixed")}))
 
 

@@ -15,6 +15,8 @@ and gathered once per forward, then shared by all layers.
 from __future__ import annotations
 
 import math
+import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +86,15 @@ def pack_linear_weights(module: nn.Module, weight: torch.Tensor) -> bool:
 
 
 _mkl_linear = torch.ops.mkl._mkl_linear if mkl_packing_available() else None
+
+
+def _apply_cpu_threads() -> None:
+    """BUCKETSERVE_CPU_THREADS=N: the compute threads of the thread that runs the forward.
+    PyTorch's thread count (OpenMP's) is a per-thread setting, so it is applied in the thread
+    that runs the model (the engine's), on its first forward there."""
+    value = os.environ.get("BUCKETSERVE_CPU_THREADS", "").strip()
+    if value.isdigit() and int(value) > 0:
+        torch.set_num_threads(int(value))
 
 
 def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
@@ -228,6 +239,7 @@ class LlamaForCausalLM(nn.Module):
                         Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
         self._lm_head_packed: torch.Tensor | None = None  # see pack_cpu_weights
         self._cpu_plan: list[tuple] | None = None  # see _forward_cpu
+        self._threads_set_for: int | None = None  # the thread _apply_cpu_threads ran in
         # [max_pos, D]: cos in the first D/2 columns, sin in the last D/2
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         if torch.device(device or "cpu").type != "meta":
@@ -302,6 +314,9 @@ class LlamaForCausalLM(nn.Module):
         one pass; the GEMMs stay on MKL (packed sgemm) and attention on the backend. Same
         operations in the same order per element (rounding included) as the torch path,
         except the reductions' summation order and SiLU's exp (within 2 ulp)."""
+        if self._threads_set_for != threading.get_ident():
+            _apply_cpu_threads()
+            self._threads_set_for = threading.get_ident()
         meta = get_forward_context()
         c, m = self.config, self.model
         t = input_ids.shape[0]
