@@ -3,18 +3,17 @@
 Parts (all by default, in this order, one system at a time on the same machine):
 
   served   `bucketserve serve` and vLLM's OpenAI server (prefix caching off), each driven by
-           (system `bucketserve-t1`: bucketserve with BUCKETSERVE_CPU_THREADS=1, the other
-           thread layout; vLLM's CPU build runs its model on one core and keeps the other
-           for its front end)
            the shared load client (../shared/bench/loadgen.py: streaming completions, closed
            loop at --concurrency, EOS ignored) on each workload, --runs times after a warm-up;
-           medians of output tokens/s
+           medians of output tokens/s. System `bucketserve-t1` is bucketserve with
+           BUCKETSERVE_CPU_THREADS=1 (the other thread layout: vLLM's CPU build runs its model
+           on one core and keeps the other for its front end)
   offline  the engine alone (LLMEngine.generate, as bench/offline_throughput.py) vs vLLM's
            offline LLM.generate on the same token ids (prefix caching off), --offline-runs
            timed runs each after a warm-up
   hf       transformers static `generate` (batches of 16, left padding, as
-           bench/offline_throughput.py) on mixed, in-process (an upper bound for the same
-           system behind HTTP)
+           bench/offline_throughput.py) on mixed, offline in its own process (an upper bound
+           for the same system behind HTTP)
 
 Both systems load the same Hugging Face directory (the SmolLM2-135M-Instruct GGUF dequantized
 to float32 by ../shared/bench/make_smollm2_hf.py), in float32. Records the CPU model and
@@ -272,7 +271,12 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_vs_vllm.json")
     ap.add_argument("--hf-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--table", type=Path, default=None,
+                    help="print the README table of a results JSON and exit")
     args = ap.parse_args()
+    if args.table:
+        print(markdown_table(json.loads(args.table.read_text())))
+        return
     if args.hf_worker:
         reqs = json.loads(args.hf_worker.read_text())
         print(json.dumps(run_hf_static_dir(reqs, args.hf_dir, 16)))
@@ -348,6 +352,36 @@ def main() -> None:
     result["load_avg_1m_at_end"] = load_avg()
     save()
     print(json.dumps({k: v for k, v in result.items() if k.endswith("ratio") or k.startswith("served_mixed")}))
+
+
+def markdown_table(r: dict) -> str:
+    """The README table of one results JSON."""
+    rows = ["| | bucketserve | vLLM CPU | ratio |", "|---|---|---|---|"]
+    served_ = r.get("served", {})
+    for wl in ("mixed", "short"):
+        ours = served_.get("bucketserve", {}).get(wl)
+        peer = served_.get("vllm", {}).get(wl)
+        if ours and peer:
+            runs = lambda x: ", ".join(str(y["output_tok_s"]) for y in x["runs"])  # noqa: E731
+            rows.append(f"| served `{wl}`, {r['concurrency']} streams, output tok/s (median of "
+                        f"{r['runs']}: runs) | **{ours['median_output_tok_s']}** ({runs(ours)}) | "
+                        f"{peer['median_output_tok_s']} ({runs(peer)}) | "
+                        f"**{r['served_ratio'][wl]:.2f}x** |")
+        t1 = served_.get("bucketserve-t1", {}).get(wl)
+        if t1:
+            rows.append(f"| served `{wl}`, bucketserve with BUCKETSERVE_CPU_THREADS=1 | "
+                        f"{t1['median_output_tok_s']} | | |")
+    off = r.get("offline", {})
+    if "bucketserve" in off and "vllm" in off:
+        rows.append(f"| offline `mixed` (engine alone vs `LLM.generate`), output tok/s | "
+                    f"**{off['bucketserve']['median_output_tok_s']}** | "
+                    f"{off['vllm']['median_output_tok_s']} | **{r['offline_ratio']:.2f}x** |")
+    hf = r.get("transformers_static")
+    if hf and "served_mixed_vs_transformers_static" in r:
+        rows.append(f"| transformers static `generate` (batch 16), `mixed`, offline | | | "
+                    f"{hf['output_tokens_per_s']} tok/s: served bucketserve is "
+                    f"**{r['served_mixed_vs_transformers_static']:.1f}x** |")
+    return "\n".join(rows)
 
 
 def run_hf_static_dir(requests, hf_dir: str, batch_size: int) -> dict:
