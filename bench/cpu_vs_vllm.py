@@ -4,8 +4,9 @@ Parts (all by default, in this order, one system at a time on the same machine):
 
   served   `bucketserve serve` and vLLM's OpenAI server (prefix caching off), each driven by
            the shared load client (../shared/bench/loadgen.py: streaming completions, closed
-           loop at --concurrency, EOS ignored) on each workload, --runs times after a warm-up;
-           medians of output tokens/s. System `bucketserve-t1` is bucketserve with
+           loop at --concurrency, EOS ignored) on each workload, --runs times after a warm-up,
+           the systems' runs interleaved (all servers up, one driven at a time); medians of
+           output tokens/s. System `bucketserve-t1` is bucketserve with
            BUCKETSERVE_CPU_THREADS=1 (the other thread layout: vLLM's CPU build runs its model
            on one core and keeps the other for its front end)
   offline  the engine alone (LLMEngine.generate, as bench/offline_throughput.py) vs vLLM's
@@ -117,10 +118,9 @@ def loadgen(client_python: str, port: int, model: str, workload: Path, concurren
     return json.loads(out.read_text())
 
 
-def served(system: str, args, workloads: list[Path], tmp: Path) -> dict:
+def start_server(system: str, args, tmp: Path) -> tuple[subprocess.Popen, int, dict]:
     port = free_port()
     env = dict(os.environ) if system.startswith("bucketserve") else peer_env()
-    log = open(tmp / f"{system}_server.log", "w")
     if system.startswith("bucketserve"):
         if system == "bucketserve-t1":  # the other thread layout: one compute thread
             env["BUCKETSERVE_CPU_THREADS"] = "1"
@@ -128,44 +128,67 @@ def served(system: str, args, workloads: list[Path], tmp: Path) -> dict:
                "--model", args.hf_dir, "--embedding-model", "none", "--dtype", "float32",
                "--log-level", "warning"]
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        model, health = "smollm2-hf", "/health"
     else:
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_dir,
-               "--served-model-name", "smollm2-hf", "--dtype", "float32", "--port", str(port),
+               "--served-model-name", MODEL, "--dtype", "float32", "--port", str(port),
                "--no-enable-prefix-caching", "--max-model-len", "8192"]
-        model, health = "smollm2-hf", "/health"
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=str(ROOT))
-    out: dict = {"command": " ".join(cmd)}
+    with open(tmp / f"{system}_server.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, cwd=str(ROOT))
+    info: dict = {"command": " ".join(cmd)}
     try:
-        wait_health(f"http://127.0.0.1:{port}{health}", proc, args.start_timeout)
-        out["start_s"] = round(time.perf_counter() - t0, 1)
+        wait_health(f"http://127.0.0.1:{port}/health", proc, args.start_timeout)
+        info["start_s"] = round(time.perf_counter() - t0, 1)
         # warm-up: the first requests pay one-time costs (kernel builds, allocator growth)
-        loadgen(args.client_python, port, model, WORKLOADS / "short.jsonl", args.concurrency,
+        loadgen(args.client_python, port, MODEL, WORKLOADS / "short.jsonl", args.concurrency,
                 tmp / f"{system}_warmup.json", "warmup", limit=args.concurrency)
-        for wl in workloads:
-            runs = []
-            for r in range(args.runs):
-                la = load_avg()
-                s = loadgen(args.client_python, port, model, wl, args.concurrency,
-                            tmp / f"{system}_{wl.stem}_{r}.json", f"{system} {wl.stem} run {r}",
-                            limit=args.limit)
-                runs.append({"output_tok_s": round(s["output_throughput"], 1),
-                             "duration_s": round(s["duration_s"], 2),
-                             "errors": s["errors"], "completed": s["completed"],
-                             "output_tokens": s["total_output_tokens"],
-                             "expected_output_tokens": s["expected_output_tokens"],
-                             "ttft_p50_ms": round(s["ttft_ms"]["p50"], 1),
-                             "itl_p50_ms": round(s["itl_ms"]["p50"], 1),
-                             "tpot_p50_ms": round(s["tpot_ms"]["p50"], 1),
-                             "load_avg_1m_start": la})
-                print(f"served {system} {wl.stem} run {r}: {runs[-1]}", flush=True)
-            out[wl.stem] = {"runs": runs,
-                            "median_output_tok_s": statistics.median(x["output_tok_s"] for x in runs)}
-    finally:
+    except BaseException:
         stop(proc)
-        log.close()
+        raise
+    return proc, port, info
+
+
+MODEL = "smollm2-hf"  # the served name both servers answer to
+
+
+def served(systems: list[str], args, workloads: list[Path], tmp: Path) -> dict:
+    """All servers up at once (idle ones wait on their sockets), then the runs interleaved:
+    for each run index, each workload, each system in turn, so that a change in the
+    machine's load during the run falls on every system alike."""
+    servers: dict[str, tuple[subprocess.Popen, int]] = {}
+    out: dict = {}
+    try:
+        for system in systems:
+            proc, port, info = start_server(system, args, tmp)
+            servers[system] = (proc, port)
+            out[system] = {**info, **{wl.stem: {"runs": []} for wl in workloads}}
+        for r in range(args.runs):
+            for wl in workloads:
+                for system in systems:
+                    la = load_avg()
+                    s = loadgen(args.client_python, servers[system][1], MODEL, wl,
+                                args.concurrency, tmp / f"{system}_{wl.stem}_{r}.json",
+                                f"{system} {wl.stem} run {r}", limit=args.limit)
+                    run = {"output_tok_s": round(s["output_throughput"], 1),
+                           "duration_s": round(s["duration_s"], 2),
+                           "errors": s["errors"], "completed": s["completed"],
+                           "output_tokens": s["total_output_tokens"],
+                           "expected_output_tokens": s["expected_output_tokens"],
+                           "ttft_p50_ms": round(s["ttft_ms"]["p50"], 1),
+                           "itl_p50_ms": round(s["itl_ms"]["p50"], 1),
+                           "tpot_p50_ms": round(s["tpot_ms"]["p50"], 1),
+                           "load_avg_1m_start": la}
+                    out[system][wl.stem]["runs"].append(run)
+                    print(f"served {system} {wl.stem} run {r}: {run}", flush=True)
+        for system in systems:
+            for wl in workloads:
+                runs = out[system][wl.stem]["runs"]
+                out[system][wl.stem]["median_output_tok_s"] = statistics.median(
+                    x["output_tok_s"] for x in runs)
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
     return out
 
 
@@ -305,11 +328,9 @@ def main() -> None:
     print(f"logs: {tmp}", flush=True)
     result["logs"] = str(tmp)
     if "served" in parts:
-        result["served"] = {}
-        for system in systems:
-            result["served"][system] = {"load_avg_1m_start": load_avg(),
-                                        **served(system, args, workloads, tmp)}
-            save()
+        result["served_load_avg_1m_start"] = load_avg()
+        result["served"] = served(systems, args, workloads, tmp)
+        save()
         if set(systems) >= {"bucketserve", "vllm"}:
             result["served_ratio"] = {
                 wl.stem: round(result["served"]["bucketserve"][wl.stem]["median_output_tok_s"]
