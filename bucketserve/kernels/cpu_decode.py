@@ -1,9 +1,18 @@
-"""The C paged-decode kernel for the CPU (csrc/paged_decode.c), built on first use.
+"""The C kernels of the float32 CPU forward (csrc/paged_decode.c), built on first use.
 
-It is compiled with the system C compiler into a per-user cache keyed by the source's hash
-and loaded with ctypes, so no build step is needed at install time. Where no compiler is
-available, `load()` returns None and attention stays on the torch path (which is also the
-test oracle for this kernel).
+They are compiled with the system C compiler for the host (`-march=native`) into a per-user
+cache and loaded with ctypes, so no build step is needed at install time. The cache key is
+the source's hash, the compiler's version, the flags and the CPU's feature flags: a cache
+directory shared between an AVX-512 and an AVX2 machine holds one build per kind, and the
+loader checks that the instruction set a build was compiled for (`bs_isa()` in the C file)
+is one the host has before calling anything else in it.
+
+Threads: with PyTorch on its OpenMP (GNU libgomp) backend, the kernels are built with
+-fopenmp and run on PyTorch's own OpenMP team (the same libgomp.so.1 is loaded once); if a
+second OpenMP runtime shows up in the process they run on one thread instead.
+
+Where no compiler is available, or `BUCKETSERVE_CPU_KERNELS=0` is set, `load()` returns None
+and the model and attention stay on their torch paths (which are also the test oracles).
 """
 
 from __future__ import annotations
@@ -12,6 +21,8 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -24,6 +35,8 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 _lib: ctypes.CDLL | None = None
 _tried = False
+_info: dict = {}
+_threads_ok = True  # False when a second OpenMP runtime is in the process
 
 
 def _cache_dir() -> Path:
@@ -31,42 +44,158 @@ def _cache_dir() -> Path:
     return Path(base) / "bucketserve" / "kernels"
 
 
-def _build(target: Path) -> None:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC or install gcc)")
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def host_isa(flags: set[str] | None = None) -> int:
+    """3: AVX-512F, 2: AVX2 + FMA, 1: anything else (the levels of bs_isa() in the C file)."""
+    flags = cpu_flags() if flags is None else flags
+    if "avx512f" in flags:
+        return 3
+    if "avx2" in flags and "fma" in flags:
+        return 2
+    return 1
+
+
+def _openmp_shared() -> bool:
+    """PyTorch runs on GNU OpenMP, whose libgomp.so.1 a -fopenmp build will share."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return False
+    return any("libgomp" in path.rsplit("/", 1)[-1] for path in _omp_runtimes())
+
+
+def _omp_runtimes() -> set[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            return {line.split()[-1] for line in f
+                    if re.search(r"lib(gomp|iomp5|omp)[.-]", line.rsplit("/", 1)[-1])}
+    except OSError:
+        return set()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _flags(openmp: bool) -> list[str]:
+    """Compiler flags. BUCKETSERVE_CPU_KERNELS_MARCH=NAME builds for -march=NAME instead of the
+    host (tests use it to run the AVX2 build on an AVX-512 machine)."""
+    march = os.environ.get("BUCKETSERVE_CPU_KERNELS_MARCH")
+    if march:
+        arch = [f"-march={march}"]
+    elif platform.machine() in ("x86_64", "AMD64", "i686"):
+        arch = ["-march=native"]
+    else:
+        arch = ["-mcpu=native"]
+    return ["-O3", *arch, "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared",
+            "-fopenmp" if openmp else "-fopenmp-simd"]
+
+
+def build_target(cc: str, flags: list[str], features: set[str]) -> Path:
+    """The cached build's path: keyed by the source, the compiler's version, the flags, the
+    architecture and the CPU's feature flags (so a cache shared by machines of different
+    instruction sets never hands one machine another's build)."""
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 check=False).stdout.splitlines()[:1]
+    except OSError:
+        version = []
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), repr(version).encode(), " ".join(flags).encode(),
+                 platform.machine().encode(), " ".join(sorted(features)).encode()):
+        key.update(part)
+        key.update(b"\0")
+    return _cache_dir() / f"cpu_kernels-isa{host_isa(features)}-{key.hexdigest()[:16]}.so"
+
+
+def _build(cc: str, flags: list[str], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [cc, "-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC", str(_SOURCE),
-               "-o", str(out), "-lm"]
+        cmd = [cc, *flags, str(_SOURCE), "-o", str(out), "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         os.replace(out, target)  # atomic: concurrent builders never see a partial file
 
 
+def _bind(lib: ctypes.CDLL) -> None:
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    lib.bs_isa.restype = i32
+    lib.bs_isa.argtypes = []
+    lib.bs_openmp.restype = i32
+    lib.bs_openmp.argtypes = []
+    fn = lib.paged_decode_f32
+    fn.restype = i32
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32, i32]
+    lib.rms_norm_f32.restype = None
+    lib.rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+    lib.rope_write_kv_f32.restype = None
+    lib.rope_write_kv_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i32]
+    lib.silu_mul_f32.restype = None
+    lib.silu_mul_f32.argtypes = [ptr, ptr, i64, i64, i32]
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None when it cannot be built here."""
-    global _lib, _tried
+    """The compiled kernels, or None when they cannot be built or run here."""
+    global _lib, _tried, _threads_ok
     if _tried:
         return _lib
     _tried = True
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{digest}.so"
+    if os.environ.get("BUCKETSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "off", "no"):
+        _info.update(enabled=False, reason="BUCKETSERVE_CPU_KERNELS=0")
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("CPU kernels unavailable (no C compiler: set CC or install gcc); using torch ops")
+        _info.update(enabled=False, reason="no C compiler")
+        return None
+    features = cpu_flags()
+    flags = _flags(_openmp_shared())
+    isa = host_isa(features)
+    target = build_target(cc, flags, features)
     try:
         if not target.exists():
-            _build(target)
+            _build(cc, flags, target)
         lib = ctypes.CDLL(str(target))
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        _bind(lib)
+    except (OSError, RuntimeError, subprocess.CalledProcessError, AttributeError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("CPU decode kernel unavailable, using the torch path: %s", detail)
+        log.warning("CPU kernels unavailable, using torch ops: %s", detail)
+        _info.update(enabled=False, reason=str(detail)[:200])
         return None
-    fn = lib.paged_decode_f32
-    fn.restype = ctypes.c_int
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
-                   ctypes.c_float, ctypes.c_int]
+    built = lib.bs_isa()
+    if features and built > isa:
+        log.warning("CPU kernel build %s targets ISA level %d but this CPU has level %d; using "
+                    "torch ops", target.name, built, isa)
+        _info.update(enabled=False, reason="build for another instruction set")
+        return None
+    runtimes = _omp_runtimes()
+    _threads_ok = bool(lib.bs_openmp()) and len(runtimes) <= 1
+    if lib.bs_openmp() and len(runtimes) > 1:
+        log.warning("two OpenMP runtimes in the process (%s): CPU kernels run on one thread",
+                    ", ".join(sorted(runtimes)))
+    _info.update(enabled=True, path=str(target), isa={3: "avx512f", 2: "avx2+fma"}.get(built, "baseline"),
+                 openmp=bool(lib.bs_openmp()), threads=_threads_ok, flags=" ".join(flags))
     _lib = lib
     return _lib
+
+
+def build_info() -> dict:
+    """What was built and loaded (for logs and benchmark records)."""
+    load()
+    return dict(_info)
+
+
+def threads() -> int:
+    return torch.get_num_threads() if _threads_ok else 1
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -87,7 +216,32 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rc = lib.paged_decode_f32(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         tables.stride(0), lens.data_ptr(), out.data_ptr(), nd, hq, k_cache.shape[2], d,
-        k_cache.shape[1], scale, torch.get_num_threads())
+        k_cache.shape[1], scale, threads())
     if rc != 0:
         raise ValueError(f"paged_decode_f32: unsupported shape (heads {hq}/{k_cache.shape[2]}, "
                          f"head_dim {d}, block_size {k_cache.shape[1]})")
+
+
+# ---- row-wise ops (callers check dtype float32, CPU, contiguous rows) ---------------------
+
+def rms_norm(res: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             out: torch.Tensor) -> None:
+    """res += delta (if given), then out = RMSNorm(res) * weight; all [T, H] contiguous."""
+    t, h = res.shape
+    _lib.rms_norm_f32(res.data_ptr(), None if delta is None else delta.data_ptr(),
+                      weight.data_ptr(), out.data_ptr(), t, h, eps, threads())
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, hq: int,
+                  hkv: int, d: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slots: torch.Tensor) -> None:
+    """Rotates q and k inside qkv [T, (hq + 2 hkv) * d] (contiguous) and writes k, v to the
+    pool slots; positions and slots int64 [T]; cos_sin [max_pos, d]."""
+    _lib.rope_write_kv_f32(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), positions.data_ptr(),
+                           cos_sin.data_ptr(), hq, hkv, d, k_cache.data_ptr(), v_cache.data_ptr(),
+                           slots.data_ptr(), threads())
+
+
+def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, I] = silu(gu[:, :I]) * gu[:, I:]; gu [T, 2I] contiguous."""
+    _lib.silu_mul_f32(gu.data_ptr(), out.data_ptr(), gu.shape[0], out.shape[1], threads())

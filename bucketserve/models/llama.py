@@ -15,12 +15,15 @@ and gathered once per forward, then shared by all layers.
 from __future__ import annotations
 
 import math
+import os
+import threading
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bucketserve.kernels.attention import AttentionBackend
+from bucketserve.kernels import cpu_decode
+from bucketserve.kernels.attention import AttentionBackend, get_forward_context
 from bucketserve.kernels.triton_ops import apply_rotary, rms_norm, silu_and_mul  # CPU-safe
 from bucketserve.models.config import ModelConfig
 
@@ -80,6 +83,26 @@ def pack_linear_weights(module: nn.Module, weight: torch.Tensor) -> bool:
         if isinstance(sub, Linear):
             sub.packed = pack_weight(sub.weight)
     return True
+
+
+_mkl_linear = torch.ops.mkl._mkl_linear if mkl_packing_available() else None
+
+
+def _apply_cpu_threads() -> None:
+    """BUCKETSERVE_CPU_THREADS=N: the compute threads of the thread that runs the forward.
+    PyTorch's thread count (OpenMP's) is a per-thread setting, so it is applied in the thread
+    that runs the model (the engine's), on its first forward there."""
+    value = os.environ.get("BUCKETSERVE_CPU_THREADS", "").strip()
+    if value.isdigit() and int(value) > 0:
+        torch.set_num_threads(int(value))
+
+
+def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
+    """(packed, weight, bias) of a Linear applied to x [T, in] (no module call overhead)."""
+    packed, weight, bias = lin
+    if packed is not None:
+        return _mkl_linear(x, packed, weight, bias, x.shape[0])
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -202,6 +225,7 @@ class LlamaForCausalLM(nn.Module):
     loader.build_dummy_model to get weights."""
 
     fused_ops = True  # CUDA: run _forward_fused (benchmarks switch it off to compare)
+    cpu_kernels = True  # float32 CPU: run _forward_cpu (the C row-wise ops), when they build
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None,
                  device: torch.device | str | None = None,
@@ -214,6 +238,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
         self._lm_head_packed: torch.Tensor | None = None  # see pack_cpu_weights
+        self._cpu_plan: list[tuple] | None = None  # see _forward_cpu
+        self._threads_set_for: int | None = None  # the thread _apply_cpu_threads ran in
         # [max_pos, D]: cos in the first D/2 columns, sin in the last D/2
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         if torch.device(device or "cpu").type != "meta":
@@ -241,11 +267,14 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache = kv[i, 0]
             layer.self_attn.v_cache = kv[i, 1]
+        self._cpu_plan = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> hidden [T, H]."""
         if input_ids.is_cuda and self.fused_ops:
             return self._forward_fused(input_ids, positions)
+        if self._cpu_kernels_apply(input_ids):
+            return self._forward_cpu(input_ids, positions)
         h = self.model.embed_tokens(input_ids)  # [T, H], a fresh tensor: safe to update in place
         half = self.config.head_dim // 2
         cs = self.cos_sin[positions].unsqueeze(1)  # [T, 1, D]
@@ -253,6 +282,69 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             h = layer(h, cos, sin)
         return self.model.norm(h)
+
+    # ---- float32 CPU: the C row-wise ops (kernels/csrc/paged_decode.c) ---------------------
+
+    def _cpu_kernels_apply(self, input_ids: torch.Tensor) -> bool:
+        if not self.cpu_kernels or input_ids.device.type != "cpu" or torch.is_grad_enabled():
+            return False
+        w = self.model.embed_tokens.weight
+        a = self.model.layers[0].self_attn
+        return (w.dtype == torch.float32 and type(a.attn_backend) is AttentionBackend
+                and a.k_cache is not None and a.k_cache.dtype == torch.float32
+                and a.k_cache.is_contiguous() and cpu_decode.load() is not None)
+
+    def _plan(self) -> list[tuple]:
+        """Per layer, what _forward_cpu reads (looked up once, not per step)."""
+        if self._cpu_plan is None:
+            def lin(m: Linear) -> tuple:
+                return (m.packed, m.weight, m.bias)
+
+            plan = []
+            for layer in self.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                plan.append((a, lin(a.qkv_proj), lin(a.o_proj), lin(mlp.gate_up_proj),
+                             lin(mlp.down_proj), layer.post_attention_layernorm))
+            self._cpu_plan = plan
+        return self._cpu_plan
+
+    def _forward_cpu(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The forward above with the row-wise work in C: the residual add fused into each
+        RMSNorm, q and k rotated and k, v written to the pool in one pass, SiLU-and-mul in
+        one pass; the GEMMs stay on MKL (packed sgemm) and attention on the backend. Same
+        operations in the same order per element (rounding included) as the torch path,
+        except the reductions' summation order and SiLU's exp (within 2 ulp)."""
+        if self._threads_set_for != threading.get_ident():
+            _apply_cpu_threads()
+            self._threads_set_for = threading.get_ident()
+        meta = get_forward_context()
+        c, m = self.config, self.model
+        t = input_ids.shape[0]
+        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        q_size = hq * d
+        positions = positions.contiguous()
+        slots = meta.slot_mapping.contiguous()
+        res = m.embed_tokens(input_ids)  # [T, H], fresh: updated in place below
+        x = torch.empty_like(res)
+        first = m.layers[0].input_layernorm
+        cpu_decode.rms_norm(res, None, first.weight, first.eps, x)
+        act = None
+        plan = self._plan()
+        last = len(plan) - 1
+        for i, (a, qkv_l, o_l, gu_l, down_l, norm2) in enumerate(plan):
+            qkv = _linear(x, qkv_l)
+            cpu_decode.rope_write_kv(qkv, positions, self.cos_sin, hq, hkv, d, a.k_cache,
+                                     a.v_cache, slots)
+            q = qkv[:, :q_size].view(t, hq, d)
+            o = a.attn_backend.attend(q, a.k_cache, a.v_cache, meta, a.scale)
+            cpu_decode.rms_norm(res, _linear(o.view(t, q_size), o_l), norm2.weight, norm2.eps, x)
+            gu = _linear(x, gu_l)
+            if act is None:
+                act = torch.empty(t, gu.shape[1] // 2)
+            cpu_decode.silu_mul(gu, act)
+            nxt = m.norm if i == last else m.layers[i + 1].input_layernorm
+            cpu_decode.rms_norm(res, _linear(act, down_l), nxt.weight, nxt.eps, x)
+        return x
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The same computation with kernels/triton_ops (CUDA): residual add fused into each
@@ -329,6 +421,7 @@ class LlamaForCausalLM(nn.Module):
         w = self.model.embed_tokens.weight
         if not pack_linear_weights(self, w):
             return False
+        self._cpu_plan = None
         self._lm_head_packed = pack_weight(w if self.lm_head is None else self.lm_head.weight)
         return True
 
