@@ -25,6 +25,9 @@ def make_engine(loaded, tmp_path, caching: bool, max_batched_tokens: int = 256,
     path.write_text(f"[prefill]\nboundaries = {boundaries}\n"
                     f"[scheduler]\nmax_batched_tokens = {max_batched_tokens}\n"
                     f"max_running = {max_running}\n"
+                    # chunks of the whole step budget, as the tests below count them (the
+                    # default caps one prompt's chunk at a quarter of it)
+                    "max_prefill_share = 1.0\n"
                     f"[kv_cache]\nprefix_caching = {'true' if caching else 'false'}\n")
     return LLMEngine(loaded, load_buckets(str(path), max_model_len=loaded.max_model_len),
                      num_blocks=num_blocks)
