@@ -95,16 +95,6 @@ AUTO_STEP_TOKENS = {"cpu": 2048, "cuda": 8192}
 AUTO_ASYNC_CPU = False
 
 
-def _step_tokens(value: Any) -> int | str:
-    if value == "auto":
-        return value
-    if not _is_int(value):
-        raise _Bad(f'{_got(value)}; expected a positive integer or "auto"')
-    if value < 1:
-        raise _Bad(f'got {value}; expected a positive integer (>= 1) or "auto"')
-    return value
-
-
 # `[embedding] preferred_batch_size / max_batch_tokens = "auto"`: the encoder batch by device.
 # On CPU a forward's time grows with its tokens, so batches of 32 already keep the cores busy.
 # On a GPU (H200, all-MiniLM-L6-v2 fp16, 20,000 texts offline) batches of up to 64 ran 20.6k
@@ -238,7 +228,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
     "decode": {"batch_sizes": (_increasing_ints, "decode_batch_sizes")},
     "scheduler": {
         "max_running": (_positive_int, "max_running"),
-        "max_batched_tokens": (_step_tokens, "max_batched_tokens"),
+        "max_batched_tokens": (_positive_int_or_auto, "max_batched_tokens"),
         "max_waiting": (_positive_int, "max_waiting"),
         "queue_timeout_s": (_positive_float, "queue_timeout_s"),
         "policy": (_policy, "policy"),
