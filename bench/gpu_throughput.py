@@ -54,6 +54,8 @@ SHAPES = {
                          num_kv_heads=3, head_dim=64, vocab_size=49152),
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                      num_kv_heads=8, head_dim=64, vocab_size=128256),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                     num_kv_heads=8, head_dim=128, vocab_size=128256),  # Llama-3.1-8B, tied
     "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=16, vocab_size=4096),  # CPU smoke runs only
 }

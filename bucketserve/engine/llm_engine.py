@@ -229,7 +229,8 @@ class LLMEngine:
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_total=self.block_manager.num_usable_blocks,
             num_preemptions=batch.num_preemptions, num_waiting=self.scheduler.num_waiting,
-            num_running=self.scheduler.num_running, step_time_s=time.perf_counter() - t0))
+            num_running=self.scheduler.num_running, step_time_s=time.perf_counter() - t0,
+            padding_tokens=step.num_padding))
         return results
 
     def _resolve(self, step: RunnerStep) -> list[RequestOutput]:

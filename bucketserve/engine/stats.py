@@ -22,6 +22,9 @@ class StepStats:
     num_waiting: int
     num_running: int
     step_time_s: float
+    # rows computed beyond the step's tokens: a decode graph's dummy rows, a piecewise graph's
+    # padding up to its captured token count (0 for eager steps); part of computed_tokens
+    padding_tokens: int = 0
 
 
 class EngineStats:
@@ -36,6 +39,10 @@ class EngineStats:
         self.computed_tokens_total = 0
         self.useful_tokens_total = 0
         self.bucket_steps: Counter[tuple[str, int]] = Counter()
+        # per step kind ("prefill", "decode", "mixed"): tokens computed (padding included)
+        # and padding rows of compiled shapes among them
+        self.kind_computed_tokens: Counter[str] = Counter()
+        self.kind_padding_tokens: Counter[str] = Counter()
         self.batch_sizes: Counter[tuple[str, int]] = Counter()  # (kind, sequences in the step)
         self.finished: Counter[str] = Counter()
         self.num_waiting = 0
@@ -56,6 +63,8 @@ class EngineStats:
             self.computed_tokens_total += s.computed_tokens
             self.useful_tokens_total += s.useful_tokens
             self.bucket_steps[(s.kind, s.bucket)] += 1
+            self.kind_computed_tokens[s.kind] += s.computed_tokens
+            self.kind_padding_tokens[s.kind] += s.padding_tokens
             self.batch_sizes[(s.kind, s.num_seqs)] += 1
             self.num_waiting, self.num_running = s.num_waiting, s.num_running
             self.kv_blocks_used, self.kv_blocks_total = s.kv_blocks_used, s.kv_blocks_total
@@ -89,6 +98,15 @@ class EngineStats:
             return 0.0
         return 1.0 - self.useful_tokens_total / self.computed_tokens_total
 
+    def padding_share(self, kind: str | None = None) -> float:
+        """Padding rows of compiled shapes / tokens computed, for one step kind or (None) all
+        steps (0 before any step)."""
+        with self._lock:
+            kinds = [kind] if kind is not None else list(self.kind_computed_tokens)
+            computed = sum(self.kind_computed_tokens[k] for k in kinds)
+            padding = sum(self.kind_padding_tokens[k] for k in kinds)
+        return padding / computed if computed else 0.0
+
     def snapshot(self) -> dict:
         with self._lock:
             return {
@@ -97,6 +115,8 @@ class EngineStats:
                 "computed_tokens_total": self.computed_tokens_total,
                 "useful_tokens_total": self.useful_tokens_total,
                 "bucket_steps": dict(self.bucket_steps),
+                "kind_computed_tokens": dict(self.kind_computed_tokens),
+                "kind_padding_tokens": dict(self.kind_padding_tokens),
                 "batch_sizes": dict(self.batch_sizes),
                 "finished": dict(self.finished),
                 "num_waiting": self.num_waiting,
