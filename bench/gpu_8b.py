@@ -57,7 +57,11 @@ RES: dict = {"runs": [], "step_times": [], "profiles": [], "attention": [], "vll
 MODES = {
     "graphs": "",  # the shipped defaults
     "pad": '[prefill]\npiecewise_choice = "pad"\n',  # always the next captured size
+    # the defaults before issue 11: padded piecewise steps, power-of-two decode graphs
+    "legacy": '[prefill]\npiecewise_choice = "pad"\n'
+              "[decode]\nbatch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]\n",
     "nopiece": None,  # decode graphs only: prefill and mixed steps eager
+    "run512": "[scheduler]\nmax_running = 512\n",  # twice the running set
 }
 
 
@@ -74,7 +78,8 @@ def make_engine(shape: str, budget: str, mode: str, tmp: str) -> LLMEngine:
     loaded = LoadedModel(model, gt.word_tokenizer(cfg.vocab_size), cfg, shape, gt.MAX_MODEL_LEN)
     text = MODES.get(mode) or ""
     if budget != "auto":
-        text += f"[scheduler]\nmax_batched_tokens = {int(budget)}\n"
+        text += ("" if "[scheduler]" in text else "[scheduler]\n")
+        text += f"max_batched_tokens = {int(budget)}\n"
     path = None
     if text:
         path = Path(tmp) / f"buckets_{mode}_{budget}.toml"
@@ -490,7 +495,8 @@ def main() -> None:
         vt = v[0] if v else float("nan")
         print(f"{r['model']:13s} {r['requests']:5d} {r['budget']:6d} {r['mode']:8s} "
               f"{r['out_tok_s']:10.0f} {vt:11.0f} {r['out_tok_s'] / vt:6.2f} "
-              f"{r['padding_share']:7.1%}")
+              f"{r['padding_share']:7.1%}  eager from "
+              f"{r.get('cost_model', {}).get('eager_from')} tokens")
     for s in RES["step_times"]:
         print(f"decode {s['model']} batch {s['batch']}: {s['step_ms']:.2f} ms, byte floor "
               f"{s['bound_ms']:.2f} ms, {s['ratio']:.2f}x")

@@ -26,8 +26,10 @@ from bucketserve.buckets.__main__ import main as cli_main
 
 # The schema and defaults as documented in /work/notes/TEAM.md (the spec this package implements).
 DOCUMENTED_DEFAULTS = {
-    "prefill": {"boundaries": [16, 32, 64, 128, 256, 512, 1024, 2048], "piecewise_sizes": "auto"},
-    "decode": {"batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]},
+    "prefill": {"boundaries": [16, 32, 64, 128, 256, 512, 1024, 2048], "piecewise_sizes": "auto",
+                "piecewise_choice": "cost"},
+    "decode": {"batch_sizes": [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
+                               192, 208, 224, 240, 256]},
     "scheduler": {"max_running": 256, "max_batched_tokens": "auto", "max_waiting": 1024,
                   "queue_timeout_s": 600.0, "policy": "priority",
                   "max_prefill_share": 0.25, "async_scheduling": "auto"},
@@ -300,6 +302,9 @@ INVALID = [
      ["element 1", "increasing"]),
     ("[prefill]\npiecewise_sizes = []\n", "prefill.piecewise_sizes", ["empty array"]),
     ("[prefill]\npiecewise_sizes = 1024\n", "prefill.piecewise_sizes", ["integer", '"auto"']),
+    ('[prefill]\npiecewise_choice = "eager"\n', "prefill.piecewise_choice",
+     ["'eager'", '"cost"', '"pad"']),
+    ("[prefill]\npiecewise_choice = true\n", "prefill.piecewise_choice", ["boolean", '"cost"']),
     # cross-key: an encoder batch must fit one input of the longest bucket
     ("[embedding]\nmax_batch_tokens = 256\n", "embedding.max_batch_tokens", ["256", "512"]),
     ("[embedding]\nboundaries = [512, 16384]\n", "embedding.boundaries", ["8192", "16384"]),

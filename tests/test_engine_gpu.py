@@ -109,12 +109,38 @@ def test_gpu_engine_greedy_matches_transformers(setup, tmp_path, cuda_graphs, pi
         assert stats.computed_tokens_total > stats.useful_tokens_total
     else:
         assert stats.computed_tokens_total == stats.useful_tokens_total
-    if piecewise:  # every prefill and mixed step (<= 256 tokens here) ran as piecewise graphs
+    if piecewise:  # every prefill and mixed step (<= 256 tokens here) ran as piecewise graphs,
+        # or eagerly where the start-up cost model found that cheaper than the padded replay
         assert engine.cuda_info["piecewise_graphs"] > 0
+        assert "piecewise_eager_from" in engine.cuda_info  # piecewise_choice "cost" (default)
         non_decode = sum(s.kind != "decode" for s in engine.stats.recent)
-        assert engine.runner.num_piecewise_steps >= non_decode > 0
+        runner = engine.runner
+        assert runner.num_piecewise_steps + runner.num_cost_eager_steps >= non_decode > 0
+        assert runner.num_piecewise_steps > 0
     else:
         assert engine.runner.num_piecewise_steps == 0
+
+
+def test_gpu_engine_greedy_matches_with_cost_model_choices(setup, tmp_path):
+    """Steps the cost model runs eagerly (here: every step above 64 tokens) and steps it
+    replays padded give the same greedy tokens; padding is counted only for the replays."""
+    from bucketserve.kernels.cuda_graphs import PaddingCostModel
+
+    loaded, prompts, expected = setup
+    path = tmp_path / "buckets.toml"
+    path.write_text("[scheduler]\nmax_batched_tokens = 256\nmax_running = 16\n")
+    engine = LLMEngine(loaded, load_buckets(str(path), max_model_len=2048), "cuda")
+    pw = engine.runner.piecewise
+    sizes = tuple(pw.sizes)
+    pw.cost = PaddingCostModel(sizes, tuple(1.0 if t <= 64 else 100.0 for t in sizes),
+                               tuple(10.0 for _ in sizes))
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert engine.runner.num_cost_eager_steps > 0 and engine.runner.num_piecewise_steps > 0
+    snap = engine.stats.snapshot()
+    assert sum(snap["kind_padding_tokens"].values()) == (snap["computed_tokens_total"]
+                                                         - snap["useful_tokens_total"])
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -205,6 +205,16 @@ def _bool(value: Any) -> bool:
 
 
 POLICIES = ("fcfs", "priority")
+PIECEWISE_CHOICES = ("cost", "pad")
+
+
+def _piecewise_choice(value: Any) -> str:
+    expected = "expected one of " + ", ".join(f'"{c}"' for c in PIECEWISE_CHOICES)
+    if not isinstance(value, str):
+        raise _Bad(f"{_got(value)}; {expected}")
+    if value not in PIECEWISE_CHOICES:
+        raise _Bad(f"got {value!r}; {expected}")
+    return value
 
 
 def _policy(value: Any) -> str:
@@ -224,6 +234,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
     "prefill": {
         "boundaries": (_increasing_ints, "prefill_boundaries"),
         "piecewise_sizes": (_sizes_or_auto, "piecewise_sizes"),
+        "piecewise_choice": (_piecewise_choice, "piecewise_choice"),
     },
     "decode": {"batch_sizes": (_increasing_ints, "decode_batch_sizes")},
     "scheduler": {
@@ -306,6 +317,9 @@ class BucketsConfig:
     gpu_memory_fraction: float
     prefix_caching: bool  # reuse cached KV blocks of shared prompt prefixes
     embedding: EmbeddingConfig
+    # per prefill / mixed step: "cost" (cheaper of padded graph replay and eager run, measured
+    # at start-up) or "pad" (always the next captured size); see PaddingCostModel
+    piecewise_choice: str = "cost"
     # Where the values came from, for error messages: the user file (or the default file), and
     # the dotted keys the user file set (defaults may be adapted to the model; user values not).
     source: str = field(default="<defaults>", compare=False)

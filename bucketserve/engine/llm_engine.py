@@ -95,7 +95,8 @@ class LLMEngine:
         if self.device.type == "cuda":
             pw = buckets.piecewise_token_counts(self.max_batched_tokens) if piecewise_graphs else None
             self.cuda_info = self.runner.setup_cuda(
-                list(buckets.decode_batch_sizes), use_cuda_graphs=cuda_graphs, piecewise_sizes=pw)
+                list(buckets.decode_batch_sizes), use_cuda_graphs=cuda_graphs, piecewise_sizes=pw,
+                piecewise_choice=buckets.piecewise_choice)
         if async_scheduling is None:
             async_scheduling = buckets.use_async_scheduling(self.device.type)
         self.async_scheduling = async_scheduling

@@ -13,7 +13,9 @@ One step, on any device:
      replays a decode CUDA graph (kernels/cuda_graphs.DecodeGraphs.run, which pads to the
      captured size with dummy rows); a prefill or mixed step (or a larger decode step)
      replays the piecewise graphs at the next captured token count
-     (kernels/cuda_graphs.PiecewiseGraphs); anything else runs eagerly;
+     (kernels/cuda_graphs.PiecewiseGraphs) unless the cost model measured at start-up
+     (PaddingCostModel) says an eager run of its exact tokens is cheaper than the padded
+     replay; anything else runs eagerly;
   3. one sampling tail: the logits of the sampled rows, the sampler's token ids (a device
      tensor), and a non-blocking copy of those ids to the host.
 
@@ -312,6 +314,8 @@ class ModelRunner:
         self.step_timing: dict[str, float] = {"prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0}
         self.num_graph_steps = 0  # steps that replayed a captured decode graph
         self.num_piecewise_steps = 0  # prefill / mixed steps run as piecewise graphs
+        # steps a captured piecewise size could have held that the cost model ran eagerly
+        self.num_cost_eager_steps = 0
         self.num_placeholder_tokens = 0  # input ids read from the previous step on the device
         # the last launched step's sampled ids (device) and, per sequence, its index there
         self._last_tokens: torch.Tensor | None = None
@@ -329,12 +333,16 @@ class ModelRunner:
     # ---- CUDA set-up ---------------------------------------------------------------------
 
     def setup_cuda(self, decode_batch_sizes: list[int], use_cuda_graphs: bool = True,
-                   piecewise_sizes: list[int] | None = None) -> dict:
+                   piecewise_sizes: list[int] | None = None,
+                   piecewise_choice: str = "cost") -> dict:
         """Compiles the attention kernels' variants, captures the decode graphs (largest
         first, one pool) and, with `piecewise_sizes` (token counts), the piecewise graphs of
-        prefill and mixed steps. Returns {"graphs": n, "capture_s": s, "graph_pool_mib": m,
-        "kernel_warmup_s": s, "piecewise_graphs": n, "piecewise_capture_s": s,
-        "piecewise_pool_mib": m} for the start-up log."""
+        prefill and mixed steps. `piecewise_choice` "cost" then measures the graphs against
+        eager runs at each size (PiecewiseGraphs.measure_costs) so that each step takes the
+        cheaper; "pad" always replays the next captured size. Returns {"graphs": n,
+        "capture_s": s, "graph_pool_mib": m, "kernel_warmup_s": s, "piecewise_graphs": n,
+        "piecewise_capture_s": s, "piecewise_pool_mib": m, "cost_model_s": s,
+        "piecewise_eager_from": n} for the start-up log."""
         if self.device.type != "cuda":
             raise ValueError("setup_cuda needs a CUDA device")
         sizes = sorted({b for b in decode_batch_sizes if b >= 1})
@@ -366,6 +374,11 @@ class ModelRunner:
                 stats = self.piecewise.capture()
                 info.update(piecewise_graphs=stats.num_graphs, piecewise_capture_s=stats.seconds,
                             piecewise_pool_mib=stats.pool_bytes / 2**20)
+                if piecewise_choice == "cost":
+                    t0 = time.perf_counter()
+                    cost = self.piecewise.measure_costs()
+                    info.update(cost_model_s=time.perf_counter() - t0,
+                                piecewise_eager_from=cost.eager_from())
         return info
 
     # ---- one step ------------------------------------------------------------------------
@@ -423,9 +436,11 @@ class ModelRunner:
                 return self._forward_decode_graph(ids, pos, meta), bs - plan.num_seqs
         pw = self.piecewise
         if pw is not None:
-            t = pw.padded_size(plan.num_tokens)
+            t = pw.choose(plan.num_tokens)
             if t is not None:
                 return self._forward_piecewise(t, ids, pos, meta), t - plan.num_tokens
+            if pw.padded_size(plan.num_tokens) is not None:
+                self.num_cost_eager_steps += 1
         return self._forward_eager(ids, pos, meta), 0
 
     def _forward_decode_graph(self, ids: torch.Tensor, pos: torch.Tensor,

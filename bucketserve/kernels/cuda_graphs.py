@@ -21,6 +21,7 @@ host sync (TritonAttentionBackend).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass
@@ -48,6 +49,60 @@ def next_size(sizes: list[int], n: int) -> int | None:
         if size >= n:
             return size
     return None
+
+
+@dataclass
+class PaddingCostModel:
+    """Per step, the cheaper of two ways to run n tokens, from times measured at start-up:
+
+      * replay the piecewise graphs at T = the smallest captured size >= n (rows n..T-1 are
+        padding): costs graph_ms[T];
+      * run the same stages eagerly on exactly n rows: costs eager_ms interpolated at n
+        (linear between the measured sizes; below the smallest size, its time; above the
+        largest, extrapolated along the last segment).
+
+    Small steps are launch-bound, so the graphs win whatever their padding; large steps are
+    bound by arithmetic, so replaying 2,048 rows for 1,100 tokens costs nearly twice the eager
+    run, which then wins (measured on an H200 at the 8B shape: see README). Attention runs
+    eagerly on the n real rows either way and is left out of both times."""
+
+    sizes: tuple[int, ...]  # captured token counts, increasing
+    graph_ms: tuple[float, ...]  # one forward's stages replayed as graphs, per size
+    eager_ms: tuple[float, ...]  # the same stages run eagerly at that size
+
+    def __post_init__(self) -> None:
+        if not self.sizes or not (len(self.sizes) == len(self.graph_ms) == len(self.eager_ms)):
+            raise ValueError("cost model needs one graph and one eager time per size")
+        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:], strict=False)):
+            raise ValueError(f"sizes must be strictly increasing, got {self.sizes}")
+
+    def eager_estimate(self, n: int) -> float:
+        """Estimated eager time (ms) of the stages at n rows."""
+        sz, e = self.sizes, self.eager_ms
+        if n <= sz[0] or len(sz) == 1:
+            return e[0] if n <= sz[0] else e[0] * n / sz[0]
+        i = min(bisect.bisect_left(sz, n), len(sz) - 1)
+        lo, hi = sz[i - 1], sz[i]
+        return e[i - 1] + (e[i] - e[i - 1]) * (n - lo) / (hi - lo)
+
+    def choose(self, n: int) -> int | None:
+        """The captured size to replay for a step of n tokens, or None to run it eagerly."""
+        i = bisect.bisect_left(self.sizes, n)
+        if i == len(self.sizes):
+            return None
+        return self.sizes[i] if self.graph_ms[i] <= self.eager_estimate(n) else None
+
+    def eager_from(self) -> int | None:
+        """The smallest token count that runs eagerly (None: every captured count replays)."""
+        for n in range(1, self.sizes[-1] + 1):
+            if self.choose(n) is None:
+                return n
+        return None
+
+    def describe(self) -> dict:
+        return {"sizes": list(self.sizes), "graph_ms": [round(x, 3) for x in self.graph_ms],
+                "eager_ms": [round(x, 3) for x in self.eager_ms],
+                "eager_from": self.eager_from()}
 
 
 @dataclass
@@ -207,6 +262,7 @@ class PiecewiseGraphs:
         self.h = torch.zeros(tmax, cfg.hidden_size, dtype=dtype, **kw)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # T -> [first, between..., last]
         self.pool = None
+        self.cost: PaddingCostModel | None = None  # measure_costs(); None: always pad
 
     # -- the stages over the static buffers (what is captured) --------------------------------
 
@@ -258,11 +314,68 @@ class PiecewiseGraphs:
                  self.sizes[-1], self.num_layers + 1, stats.seconds, stats.pool_bytes / 2**20)
         return stats
 
+    @torch.inference_mode()
+    def measure_costs(self, repeats: int = 2, long_tokens: int = 2048) -> PaddingCostModel:
+        """Times, at every captured size, one pass of the L + 1 stages replayed as graphs and
+        the same stages run eagerly (host launches included: wall time to completion, best of
+        `repeats` after a warm-up pass; sizes above `long_tokens`, whose passes are long and
+        steady, once without warm-up), and keeps them as `self.cost`, which `choose` then
+        consults. Stale static buffers are valid inputs (as for padding rows); nothing reaches
+        the KV pool."""
+        cuda = self.device.type == "cuda"
+
+        def timed(fn, t: int) -> float:
+            best = float("inf")
+            passes = repeats + 1 if t <= long_tokens else 1
+            for i in range(passes):
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                fn()
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                if i or passes == 1:  # the first of several passes warms up
+                    best = min(best, time.perf_counter() - t0)
+            return best * 1e3
+
+        stages = range(self.num_layers + 1)
+        graph_ms, eager_ms = [], []
+        for t in self.sizes:
+            graphs = self.graphs.get(t) if self.use_graphs else None
+
+            def replay(t=t, graphs=graphs) -> None:
+                for index in stages:
+                    if graphs is not None:
+                        graphs[index].replay()
+                    else:
+                        self._stage(t, index)
+
+            def eager(t=t) -> None:
+                for index in stages:
+                    self._stage(t, index)
+
+            graph_ms.append(timed(replay, t))
+            eager_ms.append(timed(eager, t))
+        self.cost = PaddingCostModel(tuple(self.sizes), tuple(graph_ms), tuple(eager_ms))
+        log.info("piecewise cost model (ms per forward, graphs / eager): %s; the first "
+                 "token count run eagerly: %s", ", ".join(
+                     f"{t}: {g:.2f}/{e:.2f}" for t, g, e in zip(self.sizes, graph_ms, eager_ms,
+                                                                strict=True)),
+                 self.cost.eager_from())
+        return self.cost
+
     # -- one step -------------------------------------------------------------------------------
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The token count a step of `num_tokens` runs at, or None (larger: eager)."""
         return next_size(self.sizes, num_tokens)
+
+    def choose(self, num_tokens: int) -> int | None:
+        """The captured size a step of `num_tokens` replays, or None to run it eagerly: the
+        cost model's choice once measured (measure_costs), else the next captured size."""
+        if self.cost is not None:
+            return self.cost.choose(num_tokens)
+        return self.padded_size(num_tokens)
 
     @torch.inference_mode()
     def run(self, t: int, num_tokens: int) -> torch.Tensor:
