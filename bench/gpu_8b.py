@@ -58,7 +58,9 @@ MODES = {
     "graphs": "",  # the shipped defaults
     "pad": '[prefill]\npiecewise_choice = "pad"\n',  # always the next captured size
     # the defaults before issue 11: padded piecewise steps, power-of-two decode graphs
-    "legacy": '[prefill]\npiecewise_choice = "pad"\n'
+    "legacy": '[prefill]\npiecewise_choice = "pad"\npiecewise_sizes = [16, 32, 64, 128, 256, 512, '
+              '1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192, 9216, 10240, 11264, 12288, 13312, '
+              '14336, 15360, 16384]\n'
               "[decode]\nbatch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]\n",
     "nopiece": None,  # decode graphs only: prefill and mixed steps eager
     "run512": "[scheduler]\nmax_running = 512\n",  # twice the running set

@@ -156,14 +156,21 @@ def test_prefix_caching_can_be_turned_off(tmp_path: Path) -> None:
 
 def test_piecewise_sizes_auto_and_set(tmp_path: Path) -> None:
     auto = load_buckets()
-    assert auto.piecewise_token_counts(8192) == [16, 32, 64, 128, 256, 512, 1024, 2048, 3072,
-                                                 4096, 5120, 6144, 7168, 8192]
-    assert auto.piecewise_token_counts(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    dense = list(range(128, 1025, 32))  # every 32 tokens from 128 to 1024
+    assert auto.piecewise_token_counts(8192) == [16, 32, 64, *dense, 2048, 3072, 4096, 5120,
+                                                 6144, 7168, 8192]
+    assert auto.piecewise_token_counts(2048) == [16, 32, 64, *dense, 2048]
+    assert auto.piecewise_token_counts(1000) == [16, 32, 64, *range(128, 1000, 32), 1000]
     assert auto.piecewise_token_counts(100) == [16, 32, 64, 100]
     assert auto.piecewise_token_counts(16) == [16]
+    # the largest gap between captured sizes up to 1024: 32 tokens above 128
+    sizes = auto.piecewise_token_counts(8192)
+    assert max(b - a for a, b in zip(sizes, sizes[1:], strict=False)
+               if b <= 1024 and a >= 128) == 32
     # "auto" follows the prefill boundaries (those below the budget)
     own = load_buckets(write(tmp_path, "[prefill]\nboundaries = [100, 300, 3000]\n"))
-    assert own.piecewise_token_counts(4096) == [100, 300, 1024, 2048, 3000, 3072, 4096]
+    assert own.piecewise_token_counts(4096) == sorted({100, 300, *dense, 2048, 3000, 3072,
+                                                       4096})
     # a set list is taken as it is, less the sizes above the step budget
     fixed = load_buckets(write(tmp_path, "[prefill]\npiecewise_sizes = [64, 512, 4096]\n"))
     assert fixed.piecewise_sizes == (64, 512, 4096)

@@ -88,6 +88,14 @@ def _positive_int(value: Any) -> int:
 # steps finish prompts in fewer steps; on CPU the step time grows with its tokens, and a smaller
 # budget keeps decodes that share the step from stalling behind long prompts.
 AUTO_STEP_TOKENS = {"cpu": 2048, "cuda": 8192}
+# `piecewise_sizes = "auto"`: captured token counts every 32 tokens from 128 to 1024. There a
+# step is launch-bound (8B shape on an H200: an eager forward costs ~11 ms of host launches up
+# to ~600 tokens, the graphs 4.5 ms at 16 tokens and 9.9 ms at 512), so the cost model replays
+# the graphs and their padding is what the metrics count; with powers of two, a 1,024-request
+# run padded 9% of its computed tokens (a mixed step of 256 decodes and a short prompt chunk
+# rounded up to 512), at most 31 rows a step with this spacing. Above 1024 tokens eager runs
+# cost about what the graphs do, so coarse sizes only serve the smaller models.
+AUTO_PIECEWISE_STEP = 32
 # `async_scheduling = "auto"` on the CPU (it is on for CUDA). Off: measured on the 2-core dev
 # machine (bench/offline_throughput.py, mixed workload, ABBA runs) it gains nothing there (CPU
 # ops run in the engine's thread, so nothing overlaps; CPU time per run within 1%), and a
@@ -338,9 +346,11 @@ class BucketsConfig:
     def piecewise_token_counts(self, step_tokens: int) -> list[int]:
         """Token counts the piecewise CUDA graphs are captured at for a step budget of
         `step_tokens`: the set sizes up to the budget, or for "auto" the prefill boundaries
-        below it, the multiples of 1024 below it and the budget itself."""
+        below it, every AUTO_PIECEWISE_STEP tokens from 128 to 1024, the multiples of 1024
+        below it and the budget itself."""
         if self.piecewise_sizes == "auto":
             sizes = [b for b in self.prefill_boundaries if b < step_tokens]
+            sizes += list(range(128, min(1025, step_tokens), AUTO_PIECEWISE_STEP))
             sizes += list(range(1024, step_tokens, 1024))
             return sorted({*sizes, step_tokens})
         return [t for t in self.piecewise_sizes if t <= step_tokens]
