@@ -11,6 +11,7 @@ import pytest
 from bucketserve.engine.embedding_cost import CostTable
 from bucketserve.engine.embedding_queue import (
     COST_MARGIN,
+    ERROR_WEIGHT,
     WAKE_SLACK_S,
     BucketQueue,
     finish_by,
@@ -321,3 +322,32 @@ def test_cost_table_fit_keeps_coefficients_non_negative():
         table.observe(32, rows, secs)
     assert table.predict(32, 3) == pytest.approx(0.005, rel=1e-6)
     assert table.predict(512, 1) >= 0.005 - 1e-9
+
+
+def test_cost_table_tracks_its_error_and_the_longest_recent_batch():
+    table = CostTable(alpha=0.5, recent=2)
+    table.observe(16, 1, 0.010)  # a new shape: no error measured yet
+    assert table.rel_err == 0.0 and table.recent_max() == 0.010
+    table.observe(16, 1, 0.020)  # predicted 10 ms, took 20: error 1.0, averaged in at 0.5
+    assert table.rel_err == pytest.approx(0.5)
+    table.observe(8, 1, 0.001)
+    table.observe(8, 1, 0.001)  # predicted exactly: the error decays
+    assert table.rel_err == pytest.approx(0.25)
+    assert table.recent_max() == 0.001  # the 20 ms batch left the window of two
+
+
+def test_noisy_costs_and_a_long_recent_batch_make_buckets_start_earlier():
+    table = CostTable(alpha=0.5)
+    q = make(latency_slo_s=1.0, cost=table)
+    table.observe(4, 1, 0.010)
+    q.add(Req(), [ids(1, 3)], 0, now=0.0)
+    calm = finish_by(0.0, 1.0) - planned(0.010) - 0.010  # blocking: the 10 ms batch
+    assert q.start_times() == {4: pytest.approx(calm)}
+    table.observe(16, 2, 0.300)  # a long batch of another bucket just ran
+    table.observe(4, 1, 0.030)  # and this shape took 3x its prediction: error 1.0 x 0.5
+    cost = table.predict(4, 1)
+    assert cost == pytest.approx(0.020) and table.rel_err == pytest.approx(1.0)
+    noisy = finish_by(0.0, 1.0) - (cost * (1 + ERROR_WEIGHT * 1.0) + WAKE_SLACK_S) - 0.300
+    assert q.start_times() == {4: pytest.approx(noisy)}
+    assert q.pop_batch(noisy - 1e-6) is None
+    assert firsts(q.pop_batch(noisy)) == [1]

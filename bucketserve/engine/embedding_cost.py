@@ -14,12 +14,19 @@ queue asks it (`predict`) how long a batch it is holding back would take.
   are fitted to the same relative error. With fewer than three cells, the nearest measured
   shape (in tokens) scaled up by the token ratio (never down: a conservative guess).
 - Nothing measured: 0.0 (the queue then waits until the deadline itself).
+
+Two more numbers describe how far a prediction can be trusted: `rel_err`, a moving average of
+|measured / predicted - 1| over batches of shapes measured before (the device's own noise: on a
+CPU shared with other work it is large), and `recent_max()`, the longest of the last few
+batches (a batch that has just started cannot be interrupted: a bucket whose start comes
+meanwhile waits for it). The queue plans with both (embedding_queue.py point 7).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 
 # Coefficient subsets tried for the fit, all three first; the best fit whose coefficients are
 # all >= 0 wins (a negative fixed cost or attention term predicts nonsense off the grid).
@@ -49,10 +56,12 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
 
 
 class CostTable:
-    def __init__(self, alpha: float = 0.2) -> None:
+    def __init__(self, alpha: float = 0.2, recent: int = 8) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha {alpha} is not in (0, 1]")
         self.alpha = alpha
+        self.rel_err = 0.0  # EWMA of |measured / predicted - 1| on known shapes
+        self._recent: deque[float] = deque(maxlen=recent)  # the last batches' seconds
         self.cells: dict[tuple[int, int], float] = {}  # (L, B) -> seconds (EWMA)
         self.samples: dict[tuple[int, int], int] = {}  # (L, B) -> batches observed
         self._coef: tuple[float, float, float] | None = None
@@ -64,9 +73,16 @@ class CostTable:
             return
         key = (length, rows)
         old = self.cells.get(key)
+        if old:
+            self.rel_err += self.alpha * (abs(seconds / old - 1.0) - self.rel_err)
+        self._recent.append(seconds)
         self.cells[key] = seconds if old is None else old + self.alpha * (seconds - old)
         self.samples[key] = self.samples.get(key, 0) + 1
         self._dirty = True
+
+    def recent_max(self) -> float:
+        """The longest of the last batches observed (seconds; 0.0 before any)."""
+        return max(self._recent, default=0.0)
 
     def predict(self, length: int, rows: int) -> float:
         """Predicted seconds of a batch of `rows` x `length` (see the module docstring)."""

@@ -39,11 +39,14 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
    reserve is left for the path outside the batch (tokenizing, the response, the network).
    Each bucket holding inputs with deadlines is one job: its earliest deadline d, and the
    predicted cost c of running what it holds now (the cost table, embedding_cost.py: ceil(n /
-   cap) batches, the last at its padded size), inflated by COST_MARGIN for the error of the
-   prediction and the worker's wake-up latency. Jobs run one after another on one worker, so
-   in earliest-deadline order the latest start of job k is
+   cap) batches, the last at its padded size), inflated by the prediction's error: the larger
+   of COST_MARGIN and ERROR_WEIGHT x the table's running relative error, plus WAKE_SLACK_S.
+   Jobs run one after another on one worker, so in earliest-deadline order the latest start
+   of job k is
        start_k = min(d_k - c_k, start_{k+1} - c_k)      (backward from the last job)
-   and a bucket is ready once now >= its start. While a bucket waits, more inputs join it; its
+   less a blocking allowance: the longest recent batch (a batch started for another bucket
+   meanwhile, e.g. one that filled, runs to its end first). A bucket is ready once now >= its
+   start. While a bucket waits, more inputs join it; its
    cost grows, its start moves earlier, and a full bucket runs at once. Merging (point 4) and
    graph sizes (point 5) then shape the batch as without deadlines. A deadline that cannot be
    met any more only makes its bucket ready; nothing is refused for it.
@@ -66,9 +69,11 @@ from bucketserve.engine.embedding_cost import CostTable
 
 # Share of a deadline's budget kept for the path outside the encoder batch (point 7).
 SLO_RESERVE = 0.1
-# Predicted batch costs are planned with this margin: the prediction's error (an EWMA follows
-# a drifting device with a lag) and the worker's wake-up latency on a loaded host.
+# Predicted batch costs are planned with at least this margin (an EWMA follows a drifting
+# device with a lag) ...
 COST_MARGIN = 0.25
+# ... or this many times the cost table's running relative error, when larger (a noisy device).
+ERROR_WEIGHT = 2.0
 # ... plus this much per job (seconds): a timed wait returns late by a scheduler tick or so.
 WAKE_SLACK_S = 0.001
 
@@ -250,19 +255,21 @@ class BucketQueue:
     def start_times(self) -> dict[int, float]:
         """Point 7: the latest start of each bucket that holds inputs with deadlines."""
         jobs = []
+        scale = 1.0 + max(COST_MARGIN, ERROR_WEIGHT * self.cost.rel_err)
         for length, bucket in self._buckets.items():
             if not bucket.live:
                 continue
             deadline = bucket.earliest_deadline()
             if deadline < math.inf:
-                cost = self.batch_cost(length, bucket.live) * (1.0 + COST_MARGIN) + WAKE_SLACK_S
+                cost = self.batch_cost(length, bucket.live) * scale + WAKE_SLACK_S
                 jobs.append((deadline, length, cost))
         jobs.sort()
         starts: dict[int, float] = {}
         later = math.inf  # the start of the next job in deadline order
         for deadline, length, cost in reversed(jobs):
             later = starts[length] = min(deadline, later) - cost
-        return starts
+        blocking = self.cost.recent_max()
+        return {length: start - blocking for length, start in starts.items()}
 
     def _ready_at(self, length: int, bucket: _Bucket, oldest: float, now: float,
                   starts: dict[int, float]) -> float:
