@@ -11,7 +11,7 @@ import pytest
 from bucketserve.engine.embedding_cost import CostTable
 from bucketserve.engine.embedding_queue import (
     COST_MARGIN,
-    ERROR_WEIGHT,
+    GUARD_DECAY,
     WAKE_SLACK_S,
     BucketQueue,
     finish_by,
@@ -324,30 +324,47 @@ def test_cost_table_fit_keeps_coefficients_non_negative():
     assert table.predict(512, 1) >= 0.005 - 1e-9
 
 
-def test_cost_table_tracks_its_error_and_the_longest_recent_batch():
-    table = CostTable(alpha=0.5, recent=2)
-    table.observe(16, 1, 0.010)  # a new shape: no error measured yet
-    assert table.rel_err == 0.0 and table.recent_max() == 0.010
-    table.observe(16, 1, 0.020)  # predicted 10 ms, took 20: error 1.0, averaged in at 0.5
-    assert table.rel_err == pytest.approx(0.5)
-    table.observe(8, 1, 0.001)
-    table.observe(8, 1, 0.001)  # predicted exactly: the error decays
-    assert table.rel_err == pytest.approx(0.25)
-    assert table.recent_max() == 0.001  # the 20 ms batch left the window of two
+def test_cost_table_keeps_the_longest_recent_batch():
+    table = CostTable(recent=2)
+    assert table.recent_max() == 0.0
+    for secs in (0.010, 0.300, 0.002, 0.001):
+        table.observe(16, 1, secs)
+    assert table.recent_max() == 0.002  # the 300 ms batch left the window of two
 
 
-def test_noisy_costs_and_a_long_recent_batch_make_buckets_start_earlier():
-    table = CostTable(alpha=0.5)
+def test_a_long_recent_batch_makes_buckets_start_earlier():
+    table = CostTable()
     q = make(latency_slo_s=1.0, cost=table)
     table.observe(4, 1, 0.010)
     q.add(Req(), [ids(1, 3)], 0, now=0.0)
-    calm = finish_by(0.0, 1.0) - planned(0.010) - 0.010  # blocking: the 10 ms batch
-    assert q.start_times() == {4: pytest.approx(calm)}
-    table.observe(16, 2, 0.300)  # a long batch of another bucket just ran
-    table.observe(4, 1, 0.030)  # and this shape took 3x its prediction: error 1.0 x 0.5
-    cost = table.predict(4, 1)
-    assert cost == pytest.approx(0.020) and table.rel_err == pytest.approx(1.0)
-    noisy = finish_by(0.0, 1.0) - (cost * (1 + ERROR_WEIGHT * 1.0) + WAKE_SLACK_S) - 0.300
-    assert q.start_times() == {4: pytest.approx(noisy)}
-    assert q.pop_batch(noisy - 1e-6) is None
-    assert firsts(q.pop_batch(noisy)) == [1]
+    assert q.start_times() == {4: pytest.approx(finish_by(0.0, 1.0) - planned(0.010) - 0.010)}
+    table.observe(16, 2, 0.300)  # another bucket's long batch: it could be running then
+    late = finish_by(0.0, 1.0) - planned(0.010) - 0.300
+    assert q.start_times() == {4: pytest.approx(late)}
+    assert q.pop_batch(late - 1e-6) is None
+    assert firsts(q.pop_batch(late)) == [1]
+
+
+def test_late_batches_raise_the_guard_and_on_time_ones_lower_it_slowly():
+    q = make(latency_slo_s=1.0, cost=FixedCost(lambda length, rows: 0.010))
+    q.add(Req(), [ids(1, 3)], 0, now=0.0)
+    q.add(Req(), [ids(2, 12)], 0, now=0.0)
+    d = finish_by(0.0, 1.0)
+    base = q.start_times()[4]
+    batch = q.pop_batch(base)
+    assert q.batch_done(batch, 1, 0.050, end=d + 0.040) == 1  # ended 40 ms late
+    assert q.guard_s == pytest.approx(0.040)
+    assert q.cost.cells[(4, 1)] == 0.050  # the measured shape is in the table
+    # the other bucket now plans 40 ms earlier (and with the 50 ms batch as blocking)
+    assert q.start_times() == {16: pytest.approx(d - planned(0.010) - 0.050 - 0.040)}
+    q.add(Req(), [ids(3, 3)], 0, now=0.5)
+    batch = q.pop_batch(10.0)
+    assert q.batch_done(batch, 1, 0.010, end=d - 0.100) == 0  # 100 ms early
+    assert q.guard_s == pytest.approx(0.040 * (1 - GUARD_DECAY))
+    # inputs without deadlines leave the guard alone; the guard never passes the budget
+    q2 = make(cost=FixedCost(lambda length, rows: 0.010))
+    q2.add(Req(), [ids(1, 3)], 0, now=0.0)
+    assert q2.batch_done(q2.pop_batch(1.0), 1, 0.010, end=5.0) == 0 and q2.guard_s == 0.0
+    q2.add(Req(), [ids(2, 3)], 0, now=0.0, deadline=0.5)
+    assert q2.batch_done(q2.pop_batch(1.0), 1, 0.010, end=99.0) == 1
+    assert q2.guard_s == pytest.approx(0.5)

@@ -380,9 +380,9 @@ class EmbeddingBatcher:
             return
         end = time.monotonic()
         self.stats.encoder_s += end - running.start
-        # the worker thread is the table's only user (pop_batch runs here too)
-        self.queue.cost.observe(batch.length, running.ticket.padded_rows, end - running.start)
-        self.stats.deadline_misses += sum(end > item.deadline for item in batch.items)
+        with self._cond:  # the cost table and the guard (embedding_queue point 8)
+            self.stats.deadline_misses += self.queue.batch_done(
+                batch, running.ticket.padded_rows, end - running.start, end)
         self.stats.record_batch(batch.length, [item.length for item in batch.items],
                                 [running.start - item.arrival for item in batch.items],
                                 batch.merged, running.ticket.padded_rows)

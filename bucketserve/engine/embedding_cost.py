@@ -15,11 +15,9 @@ queue asks it (`predict`) how long a batch it is holding back would take.
   shape (in tokens) scaled up by the token ratio (never down: a conservative guess).
 - Nothing measured: 0.0 (the queue then waits until the deadline itself).
 
-Two more numbers describe how far a prediction can be trusted: `rel_err`, a moving average of
-|measured / predicted - 1| over batches of shapes measured before (the device's own noise: on a
-CPU shared with other work it is large), and `recent_max()`, the longest of the last few
-batches (a batch that has just started cannot be interrupted: a bucket whose start comes
-meanwhile waits for it). The queue plans with both (embedding_queue.py point 7).
+`recent_max()` is the longest of the last few batches: a batch that has just started cannot
+be interrupted, so a bucket whose start comes meanwhile waits for it (embedding_queue.py
+point 7 plans with it).
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ class CostTable:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha {alpha} is not in (0, 1]")
         self.alpha = alpha
-        self.rel_err = 0.0  # EWMA of |measured / predicted - 1| on known shapes
         self._recent: deque[float] = deque(maxlen=recent)  # the last batches' seconds
         self.cells: dict[tuple[int, int], float] = {}  # (L, B) -> seconds (EWMA)
         self.samples: dict[tuple[int, int], int] = {}  # (L, B) -> batches observed
@@ -73,8 +70,6 @@ class CostTable:
             return
         key = (length, rows)
         old = self.cells.get(key)
-        if old:
-            self.rel_err += self.alpha * (abs(seconds / old - 1.0) - self.rel_err)
         self._recent.append(seconds)
         self.cells[key] = seconds if old is None else old + self.alpha * (seconds - old)
         self.samples[key] = self.samples.get(key, 0) + 1

@@ -39,17 +39,22 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
    reserve is left for the path outside the batch (tokenizing, the response, the network).
    Each bucket holding inputs with deadlines is one job: its earliest deadline d, and the
    predicted cost c of running what it holds now (the cost table, embedding_cost.py: ceil(n /
-   cap) batches, the last at its padded size), inflated by the prediction's error: the larger
-   of COST_MARGIN and ERROR_WEIGHT x the table's running relative error, plus WAKE_SLACK_S.
-   Jobs run one after another on one worker, so in earliest-deadline order the latest start
-   of job k is
+   cap) batches, the last at its padded size) x (1 + COST_MARGIN) + WAKE_SLACK_S. Jobs run
+   one after another on one worker, so in earliest-deadline order the latest start of job k is
        start_k = min(d_k - c_k, start_{k+1} - c_k)      (backward from the last job)
-   less a blocking allowance: the longest recent batch (a batch started for another bucket
-   meanwhile, e.g. one that filled, runs to its end first). A bucket is ready once now >= its
-   start. While a bucket waits, more inputs join it; its
+   less a blocking allowance, the longest recent batch (a batch started for another bucket
+   meanwhile, e.g. one that filled, runs to its end first), less the guard below. A bucket
+   is ready once now >= its start. While a bucket waits, more inputs join it; its
    cost grows, its start moves earlier, and a full bucket runs at once. Merging (point 4) and
    graph sizes (point 5) then shape the batch as without deadlines. A deadline that cannot be
    met any more only makes its bucket ready; nothing is refused for it.
+8. The feedback (`batch_done`, called with each batch's measured time): the batch's shape
+   updates the cost table, and its earliest deadline against its end updates the guard: a
+   batch that ended s seconds late raises the guard by s at once; one that ended on time
+   lowers it by GUARD_DECAY x min(its slack, the guard). Misses (cost noise on a shared host,
+   a late wake-up, inputs merged into a batch, work that arrived while a bucket waited) so
+   make every bucket start earlier, and on-time batches slowly give the time back; the guard
+   never exceeds the largest budget seen (then nothing waits: the fixed delay 0).
 
 Per batch the work is O(buckets x priorities + B), not O(inputs queued): an offline request
 of 20,000 inputs is drained in ~600 batches without rescanning the queue each time.
@@ -69,13 +74,13 @@ from bucketserve.engine.embedding_cost import CostTable
 
 # Share of a deadline's budget kept for the path outside the encoder batch (point 7).
 SLO_RESERVE = 0.1
-# Predicted batch costs are planned with at least this margin (an EWMA follows a drifting
-# device with a lag) ...
+# Predicted batch costs are planned with this margin (an EWMA follows a drifting device with
+# a lag) ...
 COST_MARGIN = 0.25
-# ... or this many times the cost table's running relative error, when larger (a noisy device).
-ERROR_WEIGHT = 2.0
 # ... plus this much per job (seconds): a timed wait returns late by a scheduler tick or so.
 WAKE_SLACK_S = 0.001
+# Share of an on-time batch's slack (at most the guard) the guard gives back (point 8).
+GUARD_DECAY = 0.05
 
 
 def finish_by(arrival: float, budget_s: float) -> float:
@@ -164,6 +169,8 @@ class BucketQueue:
             raise ValueError(f"latency_slo_s {latency_slo_s} is not a finite number >= 0")
         self.latency_slo_s = latency_slo_s  # 0: fixed delay, deadlines only from requests
         self.cost = cost if cost is not None else CostTable()
+        self.guard_s = 0.0  # point 8
+        self._max_budget_s = latency_slo_s
         self._buckets = {b: _Bucket() for b in self.spec.boundaries}
         self._seq = 0
 
@@ -186,6 +193,8 @@ class BucketQueue:
         prio = priority if self.use_priority else 0
         if deadline is None or deadline == math.inf:
             deadline = finish_by(now, self.latency_slo_s) if self.latency_slo_s else math.inf
+        elif deadline - now > self._max_budget_s:
+            self._max_budget_s = deadline - now
         lookup = self.spec.lookup
         for index, ids in enumerate(id_lists):
             n = len(ids)
@@ -255,7 +264,7 @@ class BucketQueue:
     def start_times(self) -> dict[int, float]:
         """Point 7: the latest start of each bucket that holds inputs with deadlines."""
         jobs = []
-        scale = 1.0 + max(COST_MARGIN, ERROR_WEIGHT * self.cost.rel_err)
+        scale = 1.0 + COST_MARGIN
         for length, bucket in self._buckets.items():
             if not bucket.live:
                 continue
@@ -268,8 +277,22 @@ class BucketQueue:
         later = math.inf  # the start of the next job in deadline order
         for deadline, length, cost in reversed(jobs):
             later = starts[length] = min(deadline, later) - cost
-        blocking = self.cost.recent_max()
-        return {length: start - blocking for length, start in starts.items()}
+        early = self.cost.recent_max() + self.guard_s
+        return {length: start - early for length, start in starts.items()}
+
+    def batch_done(self, batch: Batch, rows: int, seconds: float, end: float) -> int:
+        """Point 8: `batch` ran as `rows` rows in `seconds`, ending at `end`. Returns how many
+        of its inputs finished after their deadline."""
+        self.cost.observe(batch.length, rows, seconds)
+        deadlines = [item.deadline for item in batch.items if item.deadline < math.inf]
+        if not deadlines:
+            return 0
+        slack = min(deadlines) - end
+        if slack < 0:
+            self.guard_s = min(self.guard_s - slack, self._max_budget_s)
+        else:
+            self.guard_s -= GUARD_DECAY * min(slack, self.guard_s)
+        return sum(end > d for d in deadlines)
 
     def _ready_at(self, length: int, bucket: _Bucket, oldest: float, now: float,
                   starts: dict[int, float]) -> float:
