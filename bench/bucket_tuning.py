@@ -144,7 +144,8 @@ def run_default(a, d, trace, log_default, port, summary) -> None:
 
 def tune_and_run_tuned(a, d, trace, log_default, port, summary) -> None:
     tuned = os.path.join(d, "tuned.toml")
-    subprocess.run(cli("tune-buckets", log_default, "--out", tuned), check=True)
+    subprocess.run(cli("tune-buckets", log_default, "--out", tuned, "--device", a.device),
+                   check=True)
     check = subprocess.run([sys.executable, "-m", "bucketserve.buckets", "check", tuned],
                            capture_output=True, text=True)
     summary["tuned_check_rc"] = check.returncode

@@ -38,7 +38,7 @@ DOCUMENTED_DEFAULTS = {
     "embedding": {"boundaries": [*range(8, 257, 8), 320, 384, 448, 512],
                   "batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256],
                   "preferred_batch_size": "auto", "max_batch_tokens": "auto",
-                  "max_queue_delay_ms": 5.0,
+                  "max_queue_delay_ms": 5.0, "latency_slo_ms": 0.0,
                   "max_inputs_per_request": 2048, "max_merged_padding": "auto"},
 }
 
@@ -285,6 +285,9 @@ INVALID = [
     ('[kv_cache]\ncpu_memory_gib = "2"\n', "kv_cache.cpu_memory_gib", ["string"]),
     ("[scheduler]\nqueue_timeout_s = true\n", "scheduler.queue_timeout_s", ["boolean"]),
     ("[embedding]\nmax_queue_delay_ms = -1\n", "embedding.max_queue_delay_ms", [">= 0"]),
+    ("[embedding]\nlatency_slo_ms = -5\n", "embedding.latency_slo_ms", ["-5", ">= 0"]),
+    ("[embedding]\nlatency_slo_ms = inf\n", "embedding.latency_slo_ms", ["inf", "finite"]),
+    ('[embedding]\nlatency_slo_ms = "50ms"\n', "embedding.latency_slo_ms", ["string"]),
     ("[kv_cache]\ngpu_memory_fraction = 0\n", "kv_cache.gpu_memory_fraction", ["(0, 1]"]),
     ("[kv_cache]\ngpu_memory_fraction = 1.01\n", "kv_cache.gpu_memory_fraction", ["1.01", "(0, 1]"]),
     ("[kv_cache]\ngpu_memory_fraction = -0.5\n", "kv_cache.gpu_memory_fraction", ["(0, 1]"]),
@@ -315,6 +318,9 @@ INVALID = [
     # cross-key: an encoder batch must fit one input of the longest bucket
     ("[embedding]\nmax_batch_tokens = 256\n", "embedding.max_batch_tokens", ["256", "512"]),
     ("[embedding]\nboundaries = [512, 16384]\n", "embedding.boundaries", ["8192", "16384"]),
+    # cross-key: a deadline past the queue timeout could never be waited for
+    ("[scheduler]\nqueue_timeout_s = 2\n[embedding]\nlatency_slo_ms = 2000\n",
+     "embedding.latency_slo_ms", ["2000", "queue_timeout_s", "< 2000"]),
 ]
 
 

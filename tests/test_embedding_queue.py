@@ -1,11 +1,21 @@
 """BucketQueue (engine/embedding_queue.py): which bucket runs next, merging, compiled batch
-sizes, deadlines. No threads and no sleeps: time is the `now` each call is given."""
+sizes, timeouts, deadlines and the cost table they plan with (engine/embedding_cost.py). No threads and no sleeps: time is the `now` each call is given."""
 
 from __future__ import annotations
 
+import math
 import random
 
-from bucketserve.engine.embedding_queue import BucketQueue
+import pytest
+
+from bucketserve.engine.embedding_cost import CostTable
+from bucketserve.engine.embedding_queue import (
+    COST_MARGIN,
+    GUARD_DECAY,
+    WAKE_SLACK_S,
+    BucketQueue,
+    finish_by,
+)
 
 
 class Req:
@@ -160,3 +170,201 @@ def test_a_large_queue_drains_each_input_once_within_capacity():
         useful += sum(item.length for item in batch.items)
     assert sorted(seen) == list(range(len(lengths)))
     assert 1 - useful / computed < 0.05  # 8-token buckets, padding rows cut: a few percent
+
+
+# ------------------------------------------------------------------ deadlines (point 7)
+class FixedCost(CostTable):
+    """A cost table whose prediction is a given function of (length, rows)."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def predict(self, length: int, rows: int) -> float:
+        return self.fn(length, rows)
+
+
+def planned(cost: float) -> float:
+    """The time a job of predicted `cost` seconds is planned with."""
+    return cost * (1 + COST_MARGIN) + WAKE_SLACK_S
+
+
+def test_slo_bucket_waits_until_the_deadline_allows_the_predicted_cost():
+    # 10 ms per row: one input at t=0, SLO 100 ms -> deadline 90 ms, start 90 - planned(10)
+    q = make(latency_slo_s=0.100, cost=FixedCost(lambda length, rows: 0.010 * rows))
+    q.add(Req(), [ids(1, 3)], 0, now=0.0)
+    start = finish_by(0.0, 0.100) - planned(0.010)
+    assert q.next_wake(0.0) == pytest.approx(start)
+    assert q.pop_batch(0.011) is None  # past max_queue_delay_s (10 ms): not used with an SLO
+    assert q.pop_batch(start - 1e-6) is None
+    assert firsts(q.pop_batch(start)) == [1]
+
+
+def test_a_growing_batch_moves_its_start_earlier_and_a_full_one_runs_at_once():
+    q = make(latency_slo_s=0.100, cost=FixedCost(lambda length, rows: 0.010 * rows))
+    q.add(Req(), [ids(1, 3)], 0, now=0.0)
+    q.add(Req(), [ids(2, 3), ids(3, 3)], 0, now=0.020)
+    # the oldest deadline (90 ms) now has to allow three rows
+    start = finish_by(0.0, 0.100) - planned(0.030)
+    assert q.next_wake(0.020) == pytest.approx(start)
+    assert q.pop_batch(start - 1e-6) is None
+    q.add(Req(), [ids(4, 3)], 0, now=0.030)  # four inputs: the bucket is full
+    assert q.next_wake(0.030) == 0.030
+    assert firsts(q.pop_batch(0.030)) == [1, 2, 3, 4]
+
+
+def test_buckets_are_planned_in_deadline_order_on_one_worker():
+    # bucket 4 (deadline 90 ms, 10 ms) then bucket 16 (deadline 95 ms, 40 ms): for bucket 16
+    # to finish in time, bucket 4 must start before its own latest start
+    cost = FixedCost(lambda length, rows: 0.010 if length == 4 else 0.040)
+    q = make(latency_slo_s=0.100, cost=cost)
+    q.add(Req(), [ids(1, 3)], 0, now=0.0)
+    q.add(Req(), [ids(2, 12)], 0, now=0.005)  # deadline 95 ms
+    start16 = finish_by(0.005, 0.100) - planned(0.040)
+    start4 = min(0.090, start16) - planned(0.010)
+    assert start4 < 0.090 - planned(0.010)
+    assert q.start_times() == {4: pytest.approx(start4), 16: pytest.approx(start16)}
+    assert q.next_wake(0.01) == pytest.approx(start4)
+    assert q.pop_batch(start4 - 1e-6) is None
+    assert firsts(q.pop_batch(start4)) == [1]
+    # alone now, bucket 16 keeps its own latest start
+    assert q.pop_batch(start4) is None
+    assert q.next_wake(start4) == pytest.approx(start16)
+    assert firsts(q.pop_batch(start16)) == [2]
+
+
+def test_request_deadline_without_slo_only_shortens_the_fixed_delay():
+    # fixed delay 10 ms; a request deadline of 5 ms must start at once, one of 1 s waits 10 ms
+    cost = FixedCost(lambda length, rows: 0.002)
+    q = make(cost=cost)
+    q.add(Req(), [ids(1, 3)], 0, now=0.0, deadline=finish_by(0.0, 1.0))
+    q.add(Req(), [ids(2, 12)], 0, now=0.0)  # no deadline: the fixed delay
+    q.add(Req(), [ids(3, 6)], 0, now=0.0, deadline=finish_by(0.0, 0.005))
+    tight = finish_by(0.0, 0.005) - planned(0.002)
+    assert q.next_wake(0.0) == pytest.approx(tight)
+    assert firsts(q.pop_batch(tight)) == [3]
+    assert q.pop_batch(0.0099) is None
+    assert sorted(firsts(q.pop_batch(0.010)) + firsts(q.pop_batch(0.010))) == [1, 2]
+
+
+def test_earlier_deadline_runs_first_among_ready_buckets():
+    q = make(cost=FixedCost(lambda length, rows: 0.001))
+    q.add(Req(), [ids(1, 3)], 0, now=0.0, deadline=5.0)  # earlier arrival, later deadline
+    q.add(Req(), [ids(2, 12)], 0, now=1.0, deadline=2.0)
+    assert [firsts(q.pop_batch(10.0)) for _ in range(2)] == [[2], [1]]
+    q.add(Req(), [ids(3, 3)], 1, now=0.0, deadline=1.0)  # worse priority: after
+    q.add(Req(), [ids(4, 12)], 0, now=0.0, deadline=2.0)
+    assert [firsts(q.pop_batch(10.0)) for _ in range(2)] == [[4], [3]]
+
+
+def test_dead_and_taken_inputs_leave_the_deadline_plan():
+    q = make(latency_slo_s=10.0, cost=FixedCost(lambda length, rows: 0.001))
+    dead = Req()
+    q.add(dead, [ids(1, 3)], 0, now=0.0, deadline=0.5)
+    q.add(Req(), [ids(2, 3)], 0, now=0.0)  # the SLO's deadline, 9 s
+    dead.done = True
+    assert q.start_times()[4] == pytest.approx(finish_by(0.0, 10.0) - planned(0.001))
+    assert firsts(q.pop_batch(9.0)) == [2]
+    assert q.start_times() == {} and q.next_wake(9.0) is None
+
+
+def test_inputs_cut_back_to_a_graph_size_keep_their_deadlines():
+    q = make(preferred_batch_size=8, max_batch_tokens=128, graph_sizes=[1, 2, 4, 8],
+             latency_slo_s=1.0, cost=FixedCost(lambda length, rows: 0.001 * rows))
+    q.add(Req(), [ids(i, 4) for i in range(5)], 0, now=0.0)
+    start = finish_by(0.0, 1.0) - planned(0.008)  # five rows are planned at graph size 8
+    assert firsts(q.pop_batch(start)) == [0, 1, 2, 3]  # 3 padding rows of 8: cut to 4
+    # the input cut off is queued again with its deadline, now planned as one row
+    alone = finish_by(0.0, 1.0) - planned(0.001)
+    assert q.start_times() == {4: pytest.approx(alone)}
+    assert q.pop_batch(alone - 1e-6) is None
+    assert firsts(q.pop_batch(alone)) == [4]
+
+
+def test_slo_must_be_finite_and_not_negative():
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="latency_slo_s"):
+            make(latency_slo_s=bad)
+
+
+# ------------------------------------------------------------------ the cost table
+def test_cost_table_moving_average_per_shape():
+    table = CostTable(alpha=0.5)
+    assert table.predict(16, 4) == 0.0  # nothing measured
+    table.observe(16, 4, 0.010)
+    table.observe(16, 4, 0.020)
+    assert table.predict(16, 4) == pytest.approx(0.015)
+    assert table.samples[(16, 4)] == 2
+    # one other cell: the nearest shape in tokens, scaled up by the token ratio, never down
+    assert table.predict(16, 8) == pytest.approx(0.030)
+    assert table.predict(16, 1) == pytest.approx(0.015)
+
+
+def test_cost_table_fit_predicts_unmeasured_shapes():
+    def true(length, rows):  # fixed cost + per token + attention
+        return 0.002 + 1e-6 * rows * length + 2e-9 * rows * length * length
+
+    table = CostTable()
+    for length in (16, 128, 512):
+        for rows in (1, 8, 32):
+            table.observe(length, rows, true(length, rows))
+    for length, rows in ((64, 4), (256, 16), (512, 2), (8, 64)):
+        assert table.predict(length, rows) == pytest.approx(true(length, rows), rel=1e-6)
+    # a new measurement of an unmeasured shape becomes its cell and refits the rest
+    table.observe(64, 4, 1.0)
+    assert table.predict(64, 4) == 1.0
+    assert table.predict(256, 16) != pytest.approx(true(256, 16), rel=1e-6)
+
+
+def test_cost_table_fit_keeps_coefficients_non_negative():
+    table = CostTable()
+    for rows, secs in ((1, 0.005), (2, 0.005), (4, 0.005), (8, 0.005)):  # launch-bound: flat
+        table.observe(32, rows, secs)
+    assert table.predict(32, 3) == pytest.approx(0.005, rel=1e-6)
+    assert table.predict(512, 1) >= 0.005 - 1e-9
+
+
+def test_cost_table_keeps_the_longest_recent_batch():
+    table = CostTable(recent=2)
+    assert table.recent_max() == 0.0
+    for secs in (0.010, 0.300, 0.002, 0.001):
+        table.observe(16, 1, secs)
+    assert table.recent_max() == 0.002  # the 300 ms batch left the window of two
+
+
+def test_a_long_recent_batch_makes_buckets_start_earlier():
+    table = CostTable()
+    q = make(latency_slo_s=1.0, cost=table)
+    table.observe(4, 1, 0.010)
+    q.add(Req(), [ids(1, 3)], 0, now=0.0)
+    assert q.start_times() == {4: pytest.approx(finish_by(0.0, 1.0) - planned(0.010) - 0.010)}
+    table.observe(16, 2, 0.300)  # another bucket's long batch: it could be running then
+    late = finish_by(0.0, 1.0) - planned(0.010) - 0.300
+    assert q.start_times() == {4: pytest.approx(late)}
+    assert q.pop_batch(late - 1e-6) is None
+    assert firsts(q.pop_batch(late)) == [1]
+
+
+def test_late_batches_raise_the_guard_and_on_time_ones_lower_it_slowly():
+    q = make(latency_slo_s=1.0, cost=FixedCost(lambda length, rows: 0.010))
+    q.add(Req(), [ids(1, 3)], 0, now=0.0)
+    q.add(Req(), [ids(2, 12)], 0, now=0.0)
+    d = finish_by(0.0, 1.0)
+    base = q.start_times()[4]
+    batch = q.pop_batch(base)
+    assert q.batch_done(batch, 1, 0.050, end=d + 0.040) == 1  # ended 40 ms late
+    assert q.guard_s == pytest.approx(0.040)
+    assert q.cost.cells[(4, 1)] == 0.050  # the measured shape is in the table
+    # the other bucket now plans 40 ms earlier (and with the 50 ms batch as blocking)
+    assert q.start_times() == {16: pytest.approx(d - planned(0.010) - 0.050 - 0.040)}
+    q.add(Req(), [ids(3, 3)], 0, now=0.5)
+    batch = q.pop_batch(10.0)
+    assert q.batch_done(batch, 1, 0.010, end=d - 0.100) == 0  # 100 ms early
+    assert q.guard_s == pytest.approx(0.040 * (1 - GUARD_DECAY))
+    # inputs without deadlines leave the guard alone; the guard never passes the budget
+    q2 = make(cost=FixedCost(lambda length, rows: 0.010))
+    q2.add(Req(), [ids(1, 3)], 0, now=0.0)
+    assert q2.batch_done(q2.pop_batch(1.0), 1, 0.010, end=5.0) == 0 and q2.guard_s == 0.0
+    q2.add(Req(), [ids(2, 3)], 0, now=0.0, deadline=0.5)
+    assert q2.batch_done(q2.pop_batch(1.0), 1, 0.010, end=99.0) == 1
+    assert q2.guard_s == pytest.approx(0.5)

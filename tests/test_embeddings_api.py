@@ -232,3 +232,69 @@ def test_large_request_keeps_input_order(default_app, st_model, fmt):
     r = call(app, service, fn)
     assert r.status_code == 200, r.text
     assert_close_to(vectors(r.json()), torch.from_numpy(st_model.encode(texts)))
+
+
+# ------------------------------------------------------------------ deadlines (issue 15)
+@pytest.mark.parametrize("value", ["abc", "", "0", "-5", "nan", "inf", "1e12", "10ms"])
+def test_bad_deadline_header_is_refused_before_any_work(default_app, value):
+    app, service = default_app
+    inputs_before = service.batcher.stats.num_inputs
+
+    async def fn(client):
+        bad = await client.post("/v1/embeddings", json={"input": "hello"},
+                                headers={"X-Request-Deadline-Ms": value})
+        good = await client.post("/v1/embeddings", json={"input": "hello"},
+                                 headers={"X-Request-Deadline-Ms": "250.5"})
+        return bad, good
+
+    bad, good = call(app, service, fn)
+    assert bad.status_code == 400, bad.text
+    err = bad.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_deadline"
+    assert err["param"] == "X-Request-Deadline-Ms" and "X-Request-Deadline-Ms" in err["message"]
+    assert good.status_code == 200, good.text
+    assert service.batcher.stats.num_inputs == inputs_before + 1  # the bad one never queued
+
+
+def test_deadline_header_runs_a_bucket_before_the_fixed_delay(loaded, st_model, tmp_path):
+    # An incomplete bucket waits 10 minutes (fixed delay, no SLO); a request that says it
+    # needs its answer within 300 ms runs at its deadline, its neighbour without one waits.
+    app, service = make_app(loaded, tmp_path, "[embedding]\npreferred_batch_size = 4\n"
+                                              "max_queue_delay_ms = 600000.0\n")
+
+    async def fn(client):
+        patient = asyncio.ensure_future(client.post("/v1/embeddings", json={  # another bucket
+            "input": "this request has no deadline and is a good deal longer, so that it "
+                     "waits in a bucket of its own: " + "word " * 20}))
+        r = await asyncio.wait_for(client.post(
+            "/v1/embeddings", json={"input": "a sentence with a deadline"},
+            headers={"X-Request-Deadline-Ms": "300"}), 120)
+        waiting = not patient.done()
+        patient.cancel()
+        return r, waiting
+
+    r, patient_waited = call(app, service, fn)
+    assert r.status_code == 200, r.text
+    assert_close_to(vectors(r.json()), torch.from_numpy(st_model.encode(
+        ["a sentence with a deadline"])))
+    assert patient_waited
+    assert service.batcher.stats.num_batches == 1
+
+
+def test_latency_slo_measures_costs_at_start_and_learns_from_batches(loaded, tmp_path):
+    app, service = make_app(loaded, tmp_path, "[embedding]\nlatency_slo_ms = 200\n")
+    table = service.batcher.cost
+    assert service.batcher.queue.latency_slo_s == 0.2
+    warm = dict(table.samples)
+    assert warm and all(n == 1 for n in warm.values())  # the start-up shapes, one batch each
+    texts = ["slo one", "slo two"]
+
+    async def fn(client):
+        rs = await asyncio.gather(*[client.post("/v1/embeddings", json={"input": t})
+                                    for t in texts])
+        return rs, _scrape(service)
+
+    responses, metrics = call(app, service, fn)
+    assert all(r.status_code == 200 for r in responses)
+    assert sum(table.samples.values()) == len(warm) + service.batcher.stats.num_batches
+    assert ("bucketserve_embedding_deadline_misses_total", ()) in metrics

@@ -104,3 +104,15 @@ def test_errors_in_openai_body(client):
     bad_key = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.embeddings.create(model="all-minilm-l6-v2", input="x")
+
+
+def test_deadline_header(client):
+    resp = client.embeddings.create(model="all-minilm-l6-v2", input="on time",
+                                    encoding_format="float",
+                                    extra_headers={"X-Request-Deadline-Ms": "5000"})
+    assert len(resp.data[0].embedding) == 384
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="all-minilm-l6-v2", input="x", encoding_format="float",
+                                 extra_headers={"X-Request-Deadline-Ms": "soon"})
+    assert e.value.body["code"] == "invalid_deadline"
+    assert "X-Request-Deadline-Ms" in e.value.body["message"]

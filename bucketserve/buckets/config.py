@@ -266,6 +266,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
         "preferred_batch_size": (_positive_int_or_auto, "embedding.preferred_batch_size"),
         "max_batch_tokens": (_positive_int_or_auto, "embedding.max_batch_tokens"),
         "max_queue_delay_ms": (_non_negative_float, "embedding.max_queue_delay_ms"),
+        "latency_slo_ms": (_non_negative_float, "embedding.latency_slo_ms"),
         "max_inputs_per_request": (_positive_int, "embedding.max_inputs_per_request"),
         "max_merged_padding": (_closed_fraction_or_auto, "embedding.max_merged_padding"),
     },
@@ -280,6 +281,7 @@ class EmbeddingConfig:
     preferred_batch_size: int | str  # inputs, or "auto": see batch_size
     max_batch_tokens: int | str  # tokens, or "auto": see batch_tokens
     max_queue_delay_ms: float
+    latency_slo_ms: float  # 0: off (fixed max_queue_delay_ms); > 0: deadline-driven batching
     max_inputs_per_request: int
     max_merged_padding: float | str  # merged batches' padding bound, or "auto": merged_padding
 
@@ -408,6 +410,13 @@ class BucketsConfig:
 
     def _check_cross_keys(self) -> None:
         emb = self.embedding
+        if emb.latency_slo_ms / 1000.0 >= self.queue_timeout_s:
+            raise ConfigError(
+                self.source, "embedding.latency_slo_ms",
+                f"embedding.latency_slo_ms ({emb.latency_slo_ms:g}) is not below "
+                f"scheduler.queue_timeout_s ({self.queue_timeout_s:g} s): inputs would time out "
+                f"before their deadline; expected latency_slo_ms < {self.queue_timeout_s * 1000:g}",
+            )
         batch_tokens = min(emb.batch_tokens(d) for d in AUTO_EMBEDDING_BATCH_TOKENS)
         if batch_tokens < emb.boundaries[-1]:
             key = ("embedding.max_batch_tokens"

@@ -8,7 +8,9 @@ adds the threads around it:
   blocks on the encoder;
 - one worker thread takes ready batches from the queue and runs them on a runner
   (embedding_runner.py): it launches batch k+1 before collecting batch k, so on a GPU the
-  host builds the next batch while the device runs the current one.
+  host builds the next batch while the device runs the current one;
+- the cost table the queue's deadlines plan with (embedding_cost.py): `measure_costs` times a
+  few shapes at start-up, and every batch's launch-to-vectors time updates it.
 
 A request's inputs may run in several batches; each vector (a float32 numpy row) is stored at
 its input's index, and the request completes when its last input does (input order kept). An
@@ -31,7 +33,8 @@ import numpy as np
 import torch
 
 from bucketserve.buckets import BucketsConfig, EmbeddingConfig
-from bucketserve.engine.embedding_queue import Batch, BucketQueue
+from bucketserve.engine.embedding_cost import CostTable
+from bucketserve.engine.embedding_queue import Batch, BucketQueue, finish_by
 from bucketserve.engine.embedding_runner import FunctionRunner, Ticket
 from bucketserve.engine.outputs import QueueFullError
 
@@ -42,6 +45,11 @@ QUEUE_DELAY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
                        10.0, 30.0, 60.0, 300.0, 600.0)
 
 EncodeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Start-up measurement of the cost table (measure_costs): at most this long, these many
+# bucket lengths (spread over the boundaries) and batch sizes (1, a quarter and all of cap(L)).
+WARMUP_BUDGET_S = 2.0
+WARMUP_LENGTHS = 4
 
 
 class Runner(Protocol):
@@ -77,6 +85,7 @@ class BatcherStats:
     queue_delay_sum_s: float = 0.0
     encoder_s: float = 0.0  # per batch: launch to vectors on the host (batches may overlap)
     merged_batches: int = 0  # batches holding inputs of more than one bucket (merging)
+    deadline_misses: int = 0  # inputs whose batch finished after their deadline
 
     @property
     def num_batches(self) -> int:
@@ -157,6 +166,7 @@ class EmbeddingBatcher:
         policy: str = "priority",
         pad_token_id: int = 0,
         max_merged_padding: float = 0.0,
+        latency_slo_ms: float = 0.0,
     ) -> None:
         self.runner: Runner = (encode if hasattr(encode, "launch")  # type: ignore[assignment]
                                else FunctionRunner(encode, pad_token_id))  # type: ignore[arg-type]
@@ -164,7 +174,8 @@ class EmbeddingBatcher:
         self.queue = BucketQueue(boundaries, preferred_batch_size, max_batch_tokens,
                                  max_queue_delay_ms / 1000.0, policy == "priority",
                                  max_merged_padding, queue_timeout_s,
-                                 graph_sizes=getattr(self.runner, "sizes", None))
+                                 graph_sizes=getattr(self.runner, "sizes", None),
+                                 latency_slo_s=latency_slo_ms / 1000.0, cost=CostTable())
         self.spec = self.queue.spec
         self.preferred_batch_size = preferred_batch_size
         self.queue_timeout_s = queue_timeout_s
@@ -182,7 +193,39 @@ class EmbeddingBatcher:
                     pad_token_id: int, device_type: str = "cpu") -> EmbeddingBatcher:
         return cls(encode, cfg.boundaries, cfg.batch_size(device_type),
                    cfg.batch_tokens(device_type), cfg.max_queue_delay_ms, queue_timeout_s,
-                   max_waiting, policy, pad_token_id, cfg.merged_padding(device_type))
+                   max_waiting, policy, pad_token_id, cfg.merged_padding(device_type),
+                   cfg.latency_slo_ms)
+
+    @property
+    def cost(self) -> CostTable:
+        return self.queue.cost
+
+    def measure_costs(self, budget_s: float = WARMUP_BUDGET_S) -> int:
+        """Start-up (before `start`): time a few shapes into the cost table, smallest first,
+        until budget_s is spent; each shape runs twice and the second run counts (the first
+        pays one-off allocations). Returns the number of shapes measured."""
+        bounds = self.spec.boundaries
+        picks = sorted({bounds[round(i * (len(bounds) - 1) / max(WARMUP_LENGTHS - 1, 1))]
+                        for i in range(WARMUP_LENGTHS)})
+        shapes = sorted({(rows, length) for length in picks
+                         for cap in [self.capacity(length)]
+                         for rows in (1, max(1, cap // 4), cap)}, key=lambda s: s[0] * s[1])
+        t0 = time.monotonic()
+        measured = 0
+        for rows, length in shapes:
+            if time.monotonic() - t0 > budget_s:
+                break
+            ids = [[1] * length] * rows
+            for _ in range(2):
+                start = time.monotonic()
+                ticket = self.runner.launch(ids, length)
+                self.runner.collect(ticket)
+                took = time.monotonic() - start
+            self.cost.observe(length, ticket.padded_rows, took)
+            measured += 1
+        log.info("embedding cost table: %d of %d shapes timed in %.2f s", measured, len(shapes),
+                 time.monotonic() - t0)
+        return measured
 
     @property
     def max_len(self) -> int:
@@ -221,10 +264,12 @@ class EmbeddingBatcher:
             await asyncio.to_thread(self._thread.join, timeout_s)
 
     # ------------------------------------------------------------------ asyncio front
-    async def embed(self, token_id_lists: Sequence[Sequence[int]],
-                    priority: int = 0) -> list[np.ndarray]:
+    async def embed(self, token_id_lists: Sequence[Sequence[int]], priority: int = 0,
+                    budget_s: float | None = None, arrival: float | None = None
+                    ) -> list[np.ndarray]:
         """Embeddings (float32 [D] rows) for each input, in input order. Lengths must be
-        1..max_len."""
+        1..max_len. budget_s: this request's latency budget from `arrival` (time.monotonic();
+        default now), replacing latency_slo_ms for its inputs (embedding_queue point 7)."""
         if not token_id_lists:
             return []
         max_len = self.max_len
@@ -234,7 +279,11 @@ class EmbeddingBatcher:
                                  f"{max_len}")
         loop = asyncio.get_running_loop()
         request = _Request(loop, loop.create_future(), len(token_id_lists))
-        self._submit(request, token_id_lists, priority)
+        deadline = None
+        budget = budget_s if budget_s is not None else self.queue.latency_slo_s
+        if budget:  # else the queue's own rule (the SLO from now, or no deadline)
+            deadline = finish_by(time.monotonic() if arrival is None else arrival, budget)
+        self._submit(request, token_id_lists, priority, deadline)
         try:
             return await request.future
         except asyncio.CancelledError:
@@ -255,14 +304,14 @@ class EmbeddingBatcher:
             request.resolve(result)
 
     def _submit(self, request: _Request, token_id_lists: Sequence[Sequence[int]],
-                priority: int) -> None:
+                priority: int, deadline: float | None = None) -> None:
         with self._cond:
             if self._stopping or not self.is_alive():
                 raise BatcherStoppedError("the embedding batcher is not running")
             if self._num_waiting_requests >= self.max_waiting:
                 raise QueueFullError(f"{self._num_waiting_requests} embedding requests are "
                                      "waiting (max_waiting); retry later")
-            self.queue.add(request, token_id_lists, priority, time.monotonic())
+            self.queue.add(request, token_id_lists, priority, time.monotonic(), deadline)
             self._num_waiting_requests += 1
             self.stats.num_requests += 1
             self._cond.notify()
@@ -329,7 +378,11 @@ class EmbeddingBatcher:
         except Exception as exc:
             self._fail(batch, exc)
             return
-        self.stats.encoder_s += time.monotonic() - running.start
+        end = time.monotonic()
+        self.stats.encoder_s += end - running.start
+        with self._cond:  # the cost table and the guard (embedding_queue point 8)
+            self.stats.deadline_misses += self.queue.batch_done(
+                batch, running.ticket.padded_rows, end - running.start, end)
         self.stats.record_batch(batch.length, [item.length for item in batch.items],
                                 [running.start - item.arrival for item in batch.items],
                                 batch.merged, running.ticket.padded_rows)
@@ -383,6 +436,10 @@ def build_batcher(model: torch.nn.Module, pad_token_id: int, buckets: BucketsCon
         runner.capture()
     else:
         runner = FunctionRunner(model, pad_token_id)
-    return EmbeddingBatcher.from_config(
+    batcher = EmbeddingBatcher.from_config(
         runner, emb, queue_timeout_s=buckets.queue_timeout_s, max_waiting=buckets.max_waiting,
         policy=buckets.policy, pad_token_id=pad_token_id, device_type=device.type)
+    if emb.latency_slo_ms:  # deadlines plan with the table from the first request on
+        with torch.inference_mode():
+            batcher.measure_costs()
+    return batcher

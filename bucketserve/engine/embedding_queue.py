@@ -6,10 +6,15 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
 1. Each input waits on its own in the bucket of its length: the smallest boundary >= len(ids).
    Within a bucket, inputs wait in one FIFO per priority value (policy "fcfs": all share one).
 2. A bucket of length L holds at most cap(L) = min(preferred_batch_size, max_batch_tokens // L)
-   inputs per batch. It is *ready* when it holds cap(L) live inputs, or when its oldest input
-   has waited max_queue_delay_s.
+   inputs per batch. It is *ready* when it holds cap(L) live inputs, or when its wait is over:
+   - fixed delay (latency_slo_s == 0): its oldest input has waited max_queue_delay_s;
+   - deadlines (point 7): its predicted batch can no longer wait without missing a deadline.
+   With latency_slo_s > 0 every input has a deadline and max_queue_delay_s is not used; with
+   latency_slo_s == 0 only inputs given one (a request's deadline header) have a deadline, and
+   it can only make their bucket run earlier than the fixed delay.
 3. Among ready buckets, the one holding the best input runs: lowest priority value, then the
-   earliest arrival. It gives up to cap(L) inputs in that same order: one [B, L] batch.
+   earliest deadline, then the earliest arrival. It gives up to cap(L) inputs in priority then
+   arrival order: one [B, L] batch.
 4. Merging (max_merged_padding > 0): a batch with fewer than cap(L) inputs is topped up with
    queued inputs of other buckets (ready or not), padded to the largest bucket length among
    them, so the batch still has a bucket shape. For each target length T >= L that holds
@@ -29,6 +34,27 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
 6. Inputs of requests that finished early (cancelled, failed, timed out) are skipped when they
    reach the head of a FIFO, or swept out of the buckets `mark_dead` names. `expired(now)`
    hands back the requests whose oldest input waited longer than queue_timeout_s.
+7. Deadlines (the feedback loop). An input's deadline is when its batch must have finished:
+   arrival + latency_slo_s x (1 - SLO_RESERVE) unless its request named its own budget; the
+   reserve is left for the path outside the batch (tokenizing, the response, the network).
+   Each bucket holding inputs with deadlines is one job: its earliest deadline d, and the
+   predicted cost c of running what it holds now (the cost table, embedding_cost.py: ceil(n /
+   cap) batches, the last at its padded size) x (1 + COST_MARGIN) + WAKE_SLACK_S. Jobs run
+   one after another on one worker, so in earliest-deadline order the latest start of job k is
+       start_k = min(d_k - c_k, start_{k+1} - c_k)      (backward from the last job)
+   less a blocking allowance, the longest recent batch (a batch started for another bucket
+   meanwhile, e.g. one that filled, runs to its end first), less the guard below. A bucket
+   is ready once now >= its start. While a bucket waits, more inputs join it; its
+   cost grows, its start moves earlier, and a full bucket runs at once. Merging (point 4) and
+   graph sizes (point 5) then shape the batch as without deadlines. A deadline that cannot be
+   met any more only makes its bucket ready; nothing is refused for it.
+8. The feedback (`batch_done`, called with each batch's measured time): the batch's shape
+   updates the cost table, and its earliest deadline against its end updates the guard: a
+   batch that ended s seconds late raises the guard by s at once; one that ended on time
+   lowers it by GUARD_DECAY x min(its slack, the guard). Misses (cost noise on a shared host,
+   a late wake-up, inputs merged into a batch, work that arrived while a bucket waited) so
+   make every bucket start earlier, and on-time batches slowly give the time back; the guard
+   never exceeds the largest budget seen (then nothing waits: the fixed delay 0).
 
 Per batch the work is O(buckets x priorities + B), not O(inputs queued): an offline request
 of 20,000 inputs is drained in ~600 batches without rescanning the queue each time.
@@ -36,12 +62,30 @@ of 20,000 inputs is drained in ~600 batches without rescanning the queue each ti
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from bucketserve.buckets import BucketSpec, round_up_batch_size
+from bucketserve.engine.embedding_cost import CostTable
+
+# Share of a deadline's budget kept for the path outside the encoder batch (point 7).
+SLO_RESERVE = 0.1
+# Predicted batch costs are planned with this margin (an EWMA follows a drifting device with
+# a lag) ...
+COST_MARGIN = 0.25
+# ... plus this much per job (seconds): a timed wait returns late by a scheduler tick or so.
+WAKE_SLACK_S = 0.001
+# Share of an on-time batch's slack (at most the guard) the guard gives back (point 8).
+GUARD_DECAY = 0.05
+
+
+def finish_by(arrival: float, budget_s: float) -> float:
+    """The deadline of an input that arrived at `arrival` with a latency budget (point 7)."""
+    return arrival + budget_s * (1.0 - SLO_RESERVE)
 
 
 def batch_capacity(length: int, preferred_batch_size: int, max_batch_tokens: int) -> int:
@@ -59,6 +103,8 @@ class QueuedInput:
     seq: int  # global arrival counter
     length: int  # len(ids)
     bucket: int  # the bucket it waits in: the smallest boundary >= length
+    deadline: float = math.inf  # when its batch must have finished (point 7); inf: none
+    queued: bool = True  # still in its bucket (False once taken into a batch)
 
 
 @dataclass(slots=True)
@@ -76,6 +122,15 @@ class Batch:
 class _Bucket:
     fifos: dict[int, deque[QueuedInput]] = field(default_factory=dict)  # priority -> FIFO
     live: int = 0  # inputs queued here whose request is not done (skipped ones excluded)
+    # (deadline, seq, input) of inputs with a finite deadline; entries of inputs taken or
+    # dead are dropped lazily when they reach the top
+    deadlines: list[tuple[float, int, QueuedInput]] = field(default_factory=list)
+
+    def earliest_deadline(self) -> float:
+        heap = self.deadlines
+        while heap and (not heap[0][2].queued or heap[0][2].request.done):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else math.inf
 
     def heads(self) -> Iterator[QueuedInput]:
         """The live head of every non-empty FIFO (dead heads are dropped on the way)."""
@@ -94,7 +149,8 @@ class BucketQueue:
     def __init__(self, boundaries: Iterable[int], preferred_batch_size: int,
                  max_batch_tokens: int, max_queue_delay_s: float, use_priority: bool = True,
                  max_merged_padding: float = 0.0, queue_timeout_s: float = 600.0,
-                 graph_sizes: Iterable[int] | None = None) -> None:
+                 graph_sizes: Iterable[int] | None = None, latency_slo_s: float = 0.0,
+                 cost: CostTable | None = None) -> None:
         self.spec = BucketSpec(boundaries)
         if max_batch_tokens < self.spec.max_len:
             raise ValueError(f"max_batch_tokens {max_batch_tokens} is below the last boundary "
@@ -109,6 +165,12 @@ class BucketQueue:
         self.max_merged_padding = max_merged_padding
         self.queue_timeout_s = queue_timeout_s
         self.graph_sizes = sorted(set(graph_sizes)) if graph_sizes else None
+        if not (math.isfinite(latency_slo_s) and latency_slo_s >= 0):
+            raise ValueError(f"latency_slo_s {latency_slo_s} is not a finite number >= 0")
+        self.latency_slo_s = latency_slo_s  # 0: fixed delay, deadlines only from requests
+        self.cost = cost if cost is not None else CostTable()
+        self.guard_s = 0.0  # point 8
+        self._max_budget_s = latency_slo_s
         self._buckets = {b: _Bucket() for b in self.spec.boundaries}
         self._seq = 0
 
@@ -124,9 +186,15 @@ class BucketQueue:
         return {length: b.live for length, b in self._buckets.items() if b.live}
 
     # ------------------------------------------------------------------ adding / removing
-    def add(self, request: Any, id_lists: Iterable[Any], priority: int, now: float) -> None:
-        """Queue every input of `request` (lengths must be 1..spec.max_len)."""
+    def add(self, request: Any, id_lists: Iterable[Any], priority: int, now: float,
+            deadline: float | None = None) -> None:
+        """Queue every input of `request` (lengths must be 1..spec.max_len). deadline: when
+        its batches must have finished (finish_by); None: the SLO's, or none without one."""
         prio = priority if self.use_priority else 0
+        if deadline is None or deadline == math.inf:
+            deadline = finish_by(now, self.latency_slo_s) if self.latency_slo_s else math.inf
+        elif deadline - now > self._max_budget_s:
+            self._max_budget_s = deadline - now
         lookup = self.spec.lookup
         for index, ids in enumerate(id_lists):
             n = len(ids)
@@ -135,7 +203,10 @@ class BucketQueue:
             fifo = bucket.fifos.get(prio)
             if fifo is None:
                 fifo = bucket.fifos[prio] = deque()
-            fifo.append(QueuedInput(ids, request, index, prio, now, self._seq, n, length))
+            item = QueuedInput(ids, request, index, prio, now, self._seq, n, length, deadline)
+            fifo.append(item)
+            if deadline < math.inf:
+                heapq.heappush(bucket.deadlines, (deadline, self._seq, item))
             bucket.live += 1
             self._seq += 1
 
@@ -150,13 +221,18 @@ class BucketQueue:
                 else:
                     del bucket.fifos[prio]
             bucket.live = sum(map(len, bucket.fifos.values()))
+            bucket.deadlines = [e for e in bucket.deadlines if not e[2].request.done]
+            heapq.heapify(bucket.deadlines)
 
     def drain(self) -> list[QueuedInput]:
         """Remove and return every queued input (shutdown)."""
         out = [item for b in self._buckets.values() for fifo in b.fifos.values() for item in fifo]
         for b in self._buckets.values():
             b.fifos.clear()
+            b.deadlines.clear()
             b.live = 0
+        for item in out:
+            item.queued = False
         return out
 
     def expired(self, now: float) -> list[Any]:
@@ -176,30 +252,85 @@ class BucketQueue:
     def _oldest(self, bucket: _Bucket) -> float | None:
         return min((h.arrival for h in bucket.heads()), default=None)
 
+    def batch_cost(self, length: int, n: int) -> float:
+        """Predicted seconds to run n inputs of one bucket: full batches of cap(L), then the
+        rest at its padded size (point 7; merging ignored, so an upper bound)."""
+        cap = self.capacity(length)
+        full, rest = divmod(n, cap)
+        predict = self.cost.predict
+        total = full * predict(length, self.padded_size(cap)) if full else 0.0
+        return total + (predict(length, self.padded_size(rest)) if rest else 0.0)
+
+    def start_times(self) -> dict[int, float]:
+        """Point 7: the latest start of each bucket that holds inputs with deadlines."""
+        jobs = []
+        scale = 1.0 + COST_MARGIN
+        for length, bucket in self._buckets.items():
+            if not bucket.live:
+                continue
+            deadline = bucket.earliest_deadline()
+            if deadline < math.inf:
+                cost = self.batch_cost(length, bucket.live) * scale + WAKE_SLACK_S
+                jobs.append((deadline, length, cost))
+        jobs.sort()
+        starts: dict[int, float] = {}
+        later = math.inf  # the start of the next job in deadline order
+        for deadline, length, cost in reversed(jobs):
+            later = starts[length] = min(deadline, later) - cost
+        early = self.cost.recent_max() + self.guard_s
+        return {length: start - early for length, start in starts.items()}
+
+    def batch_done(self, batch: Batch, rows: int, seconds: float, end: float) -> int:
+        """Point 8: `batch` ran as `rows` rows in `seconds`, ending at `end`. Returns how many
+        of its inputs finished after their deadline."""
+        self.cost.observe(batch.length, rows, seconds)
+        deadlines = [item.deadline for item in batch.items if item.deadline < math.inf]
+        if not deadlines:
+            return 0
+        slack = min(deadlines) - end
+        if slack < 0:
+            self.guard_s = min(self.guard_s - slack, self._max_budget_s)
+        else:
+            self.guard_s -= GUARD_DECAY * min(slack, self.guard_s)
+        return sum(end > d for d in deadlines)
+
+    def _ready_at(self, length: int, bucket: _Bucket, oldest: float, now: float,
+                  starts: dict[int, float]) -> float:
+        """When this non-empty bucket is ready (point 2); <= now: ready."""
+        if bucket.live >= self.capacity(length):
+            return now
+        at = starts.get(length, math.inf)
+        if not self.latency_slo_s:
+            at = min(at, oldest + self.max_queue_delay_s)
+        return at
+
     def next_wake(self, now: float) -> float | None:
-        """When the earliest not-yet-ready bucket becomes ready by delay (None: nothing
-        queued); a value <= now means some bucket is ready."""
+        """When the earliest not-yet-ready bucket becomes ready (None: nothing queued); a
+        value <= now means some bucket is ready. Adding inputs can move it earlier."""
         wake = None
+        starts = self.start_times()
         for length, bucket in self._buckets.items():
             oldest = self._oldest(bucket)
             if oldest is None:
                 continue
-            at = now if bucket.live >= self.capacity(length) else oldest + self.max_queue_delay_s
+            at = self._ready_at(length, bucket, oldest, now, starts)
             wake = at if wake is None else min(wake, at)
         return wake
 
     def pop_batch(self, now: float) -> Batch | None:
-        """The next batch to run (docstring points 2-4), removed from the queue; None when no
-        bucket is ready."""
-        best: tuple[tuple[int, int], int] | None = None
+        """The next batch to run (docstring points 2-4, 7), removed from the queue; None when
+        no bucket is ready."""
+        best: tuple[tuple[int, float, int], int] | None = None
+        starts = self.start_times()
         for length, bucket in self._buckets.items():
             heads = list(bucket.heads())
             if not heads:
                 continue
-            ready = (bucket.live >= self.capacity(length)
-                     or min(h.arrival for h in heads) + self.max_queue_delay_s <= now)
-            if ready:
-                key = min((h.priority, h.seq) for h in heads)
+            oldest = min(h.arrival for h in heads)
+            if self._ready_at(length, bucket, oldest, now, starts) <= now:
+                prio = min(h.priority for h in heads)
+                seq = min(h.seq for h in heads if h.priority == prio)
+                key = (prio, bucket.earliest_deadline(), seq)
                 if best is None or key < best[0]:
                     best = (key, length)
         if best is None:
@@ -240,6 +371,9 @@ class BucketQueue:
                 i += 1
             fifo.insert(i, item)
             bucket.live += 1
+            item.queued = True
+            if item.deadline < math.inf:
+                heapq.heappush(bucket.deadlines, (item.deadline, item.seq, item))
         batch.items = kept
         batch.length = max(item.bucket for item in kept)
         batch.merged = any(item.bucket != batch.length for item in kept)
@@ -252,6 +386,7 @@ class BucketQueue:
             fifo = bucket.fifos[prio]
             while fifo and len(taken) < n:
                 item = fifo.popleft()
+                item.queued = False
                 bucket.live -= 1
                 if not item.request.done:
                     taken.append(item)
@@ -323,6 +458,8 @@ class BucketQueue:
     def _remove(self, taken: list[QueuedInput]) -> None:
         """Takes these queued inputs out of their buckets. _merge takes the live heads of
         FIFOs in order, so they come off the front (dead inputs between them too)."""
+        for item in taken:
+            item.queued = False
         wanted = {id(item) for item in taken}
         for length in {item.bucket for item in taken}:
             bucket = self._buckets[length]

@@ -11,6 +11,11 @@ sentence-transformers does (keeps the start; strings keep their special tokens) 
 refusing long inputs. Vectors come back in input order, as floats or as base64 of
 little-endian float32 (OpenAI's encoding).
 
+Deadlines: the header `X-Request-Deadline-Ms: N` (a number > 0, at most the queue timeout) is
+this request's latency budget in milliseconds from its arrival; it replaces
+`[embedding] latency_slo_ms` for its inputs (engine/embedding_queue.py point 7). A malformed
+value is refused with 400 before any work.
+
 On a CUDA device the encoder runs as CUDA graphs, one per (batch size, length bucket), captured
 when the service is built, before the server accepts requests (engine/embedding_runner.py).
 """
@@ -21,6 +26,7 @@ import asyncio
 import base64
 import json
 import logging
+import math
 import time
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
@@ -56,6 +62,8 @@ log = logging.getLogger("bucketserve.embeddings")
 # Requests with more inputs than these are tokenized / serialised off the event loop.
 _INLINE_TOKENIZE_MAX = 8
 _INLINE_RENDER_MAX = 64
+
+DEADLINE_HEADER = "X-Request-Deadline-Ms"
 
 _INPUT_KINDS = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
@@ -119,6 +127,9 @@ class BatcherStatsCollector(Collector):
              "Wall time the encoder spent running batches."),
             ("bucketserve_embedding_merged_batches", s.merged_batches,
              "Batches merged from several buckets (embedding.max_merged_padding)."),
+            ("bucketserve_embedding_deadline_misses", s.deadline_misses,
+             "Inputs whose batch finished after their deadline (latency_slo_ms or the "
+             "X-Request-Deadline-Ms header)."),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("bucketserve_embedding_requests_waiting",
@@ -146,6 +157,7 @@ class EmbeddingService:
 
             runner.launch = launch_with_faults
         self.max_inputs = buckets.embedding.max_inputs_per_request
+        self.queue_timeout_s = buckets.queue_timeout_s
         # Longest input served: the model's limit, or a smaller last bucket from the user's file.
         self.max_input_tokens = min(loaded.max_seq_length, self.batcher.max_len)
         self.metrics_collector = BatcherStatsCollector(self.batcher)
@@ -170,20 +182,23 @@ class EmbeddingService:
             if ctx is not None and ctx.inflight.draining:
                 raise overloaded("the server is shutting down; retry later", "shutting_down")
             request_log = getattr(getattr(ctx, "metrics", None), "request_log", None)
+            deadline = request.headers.get(DEADLINE_HEADER)
             try:  # a client gone drops its inputs that are still queued (batcher.embed)
-                return await until_disconnect(request, self.create(body, request_log))
+                return await until_disconnect(request, self.create(body, request_log, deadline))
             except ClientGone:
                 return Response(status_code=499)
 
         return router
 
-    async def create(self, body: EmbeddingRequest, request_log: RequestLog | None = None
-                     ) -> Response:
+    async def create(self, body: EmbeddingRequest, request_log: RequestLog | None = None,
+                     deadline_header: str | None = None) -> Response:
         arrival = time.monotonic()
+        budget_s = parse_deadline_ms(deadline_header, self.queue_timeout_s)
         self._check_fields(body)
         token_ids = await self._token_ids(body)
         try:
-            vectors = await self.batcher.embed(token_ids, priority=body.priority)
+            vectors = await self.batcher.embed(token_ids, priority=body.priority,
+                                               budget_s=budget_s, arrival=arrival)
         except QueueFullError as exc:
             raise overloaded(str(exc), "queue_full") from exc
         except QueueTimeoutError as exc:
@@ -263,6 +278,21 @@ class EmbeddingService:
                     f"of {limit} tokens; shorten it or set truncate_prompt_tokens (-1 truncates "
                     "to the maximum)", "input", "input_too_long")
         return token_ids
+
+
+def parse_deadline_ms(value: str | None, max_s: float) -> float | None:
+    """The X-Request-Deadline-Ms header as a budget in seconds (None: not sent)."""
+    if value is None:
+        return None
+    try:
+        ms = float(value.strip())
+    except ValueError:
+        ms = math.nan
+    if not (math.isfinite(ms) and 0 < ms <= max_s * 1000.0):
+        raise invalid_request(f"header {DEADLINE_HEADER} must be a number of milliseconds > 0 "
+                              f"and at most {max_s * 1000.0:g} (the queue timeout); got "
+                              f"{value[:40]!r}", DEADLINE_HEADER, "invalid_deadline")
+    return ms / 1000.0
 
 
 def _is_token_id(x: Any) -> bool:
