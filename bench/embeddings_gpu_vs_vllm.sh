@@ -14,12 +14,13 @@
 #   a generative model, here the SmolLM2-135M shape with random weights (idle during the run).
 # VLLM_SITE: vLLM 0.25.1 and its server's dependencies (pip install --target); given to vLLM's
 #   processes only. SITE (default VLLM_SITE): fastapi / uvicorn / sse-starlette for bucketserve's server.
-# SKIP_VLLM=1 skips vLLM; SKIP_ST=1 sentence-transformers; N (20000), ROUND_S (10) seconds per online round;
-# DTYPE float16.
+# Everything is written under WORK (/tmp/emb_work); OUT gets emb_summary.json / .txt and all of WORK
+# as emb_all.tgz (the device tool brings back at most 8 files). SKIP_VLLM=1 skips vLLM; SKIP_ST=1 sentence-transformers; N (20000), ROUND_S (10) seconds per online round;
+# DTYPE float16; ST_BATCHES (32,128,512); REPEATS (3) timed offline runs per system.
 set -u
-ROOT=$(pwd); OUT=${OUT:-/tmp/emb}; N=${N:-20000}; SECONDS_PER=${ROUND_S:-10}; DTYPE=${DTYPE:-float16}
+ROOT=$(pwd); DEST=${OUT:-/tmp/emb}; OUT=${WORK:-/tmp/emb_work}; N=${N:-20000}; SECONDS_PER=${ROUND_S:-10}; DTYPE=${DTYPE:-float16}
 SITE=${SITE:-${VLLM_SITE:-}}; M=/tmp/model-smollm2-135m-emb
-mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 EMB_MODEL_DIR
+mkdir -p "$OUT" "$DEST"; export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 EMB_MODEL_DIR
 export PYTHONPATH="$ROOT${SITE:+:$SITE}"
 B="python3 $ROOT/bench/embeddings_gpu.py"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/emb_machine.txt" 2>&1
@@ -28,7 +29,8 @@ grep -m1 "model name" /proc/cpuinfo >> "$OUT/emb_machine.txt"; nproc >> "$OUT/em
 systems=bucketserve; [ -z "${SKIP_ST:-}" ] && systems=$systems,st
 vl=""; [ -z "${SKIP_VLLM:-}" ] && [ -n "${VLLM_SITE:-}" ] && vl=--vllm
 echo "== offline ($systems ${vl:+vllm})"
-$B offline --n "$N" --dtype "$DTYPE" --systems "$systems" $vl --json "$OUT/emb_offline.json" \
+$B offline --n "$N" --dtype "$DTYPE" --systems "$systems" $vl --repeats "${REPEATS:-3}" \
+  --st-batches "${ST_BATCHES:-32,128,512}" --json "$OUT/emb_offline.json" \
   > "$OUT/emb_offline.log" 2>&1 || tail -20 "$OUT/emb_offline.log"
 grep -E "^(bucketserve|st|vllm):|tokenizer " "$OUT/emb_offline.log" | cut -c1-400
 
@@ -76,3 +78,5 @@ echo "== summary"
 $B summary --summary-dir "$OUT" --json "$OUT/emb_summary.json" > "$OUT/emb_summary.log" 2>&1
 python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['table'])" "$OUT/emb_summary.json" \
   | tee "$OUT/emb_summary.txt"; cat "$OUT/emb_machine.txt"
+cp "$OUT/emb_summary.json" "$OUT/emb_summary.txt" "$DEST/" 2>/dev/null
+tar czf "$DEST/emb_all.tgz" -C "$OUT" .
