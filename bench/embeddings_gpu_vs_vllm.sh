@@ -16,6 +16,8 @@
 #   processes only. SITE (default VLLM_SITE): fastapi / uvicorn / sse-starlette for bucketserve's server.
 # Everything is written under WORK (/tmp/emb_work); OUT gets emb_summary.json / .txt and all of WORK
 # as emb_all.tgz (the device tool brings back at most 8 files). SKIP_VLLM=1 skips vLLM; SKIP_ST=1 sentence-transformers; N (20000), ROUND_S (10) seconds per online round;
+# PARTS ("offline shapes online"): the parts to run (the summary reads every part's JSON in WORK, so
+# two calls on one machine, e.g. PARTS="offline shapes" then PARTS=online, give one table);
 # DTYPE float16; ST_BATCHES (32,128,512); REPEATS (3) timed offline runs per system.
 set -u
 ROOT=$(pwd); DEST=${OUT:-/tmp/emb}; OUT=${WORK:-/tmp/emb_work}; N=${N:-20000}; SECONDS_PER=${ROUND_S:-10}; DTYPE=${DTYPE:-float16}
@@ -26,20 +28,25 @@ B="python3 $ROOT/bench/embeddings_gpu.py"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/emb_machine.txt" 2>&1
 grep -m1 "model name" /proc/cpuinfo >> "$OUT/emb_machine.txt"; nproc >> "$OUT/emb_machine.txt"
 
+PARTS=${PARTS:-offline shapes online}
+has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 systems=bucketserve; [ -z "${SKIP_ST:-}" ] && systems=$systems,st
 vl=""; [ -z "${SKIP_VLLM:-}" ] && [ -n "${VLLM_SITE:-}" ] && vl=--vllm
+if has offline; then
 echo "== offline ($systems ${vl:+vllm})"
 $B offline --n "$N" --dtype "$DTYPE" --systems "$systems" $vl --repeats "${REPEATS:-3}" \
   --st-batches "${ST_BATCHES:-32,128,512}" --json "$OUT/emb_offline.json" \
   > "$OUT/emb_offline.log" 2>&1 || tail -20 "$OUT/emb_offline.log"
 grep -E "^(bucketserve|st|vllm):|tokenizer " "$OUT/emb_offline.log" | cut -c1-400
+fi
 
-if [ -z "${SKIP_ST:-}" ]; then
+if [ -z "${SKIP_ST:-}" ] && has shapes; then
   echo "== every captured shape vs ST fp32"
   $B shapes --n "$N" --dtype "$DTYPE" --json "$OUT/emb_shapes.json" > "$OUT/emb_shapes.log" 2>&1 \
     || tail -20 "$OUT/emb_shapes.log"
 fi
 
+if has online; then
 echo "== online: bucketserve serve"
 python3 - "$TOK" "$M" <<'PY'
 import os, shutil, sys, torch
@@ -72,6 +79,7 @@ if [ -n "$vl" ]; then
     || { tail -20 "$OUT/emb_online_vllm.log"; tail -30 "$OUT/emb_vllm_server.log"; }
   grep '"clients"' "$OUT/emb_online_vllm.log"
   kill $VP 2>/dev/null; wait $VP 2>/dev/null
+fi
 fi
 
 echo "== summary"
