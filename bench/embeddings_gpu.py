@@ -7,6 +7,7 @@ offline  texts in, vectors out, tokenization counted; each system in its own pro
          warm-up, then 3 timed runs, median reported:
            bucketserve  tokenizer -> EmbeddingBatcher (CUDA graph per (batch, length bucket))
            st           SentenceTransformer(dir).half().encode, batch 32 / 128 / 512: the best
+                        (512 timed --repeats times, the others --st-other-repeats, default 1)
            vllm         vllm.LLM(model=dir, runner="pooling").embed (with --vllm; skipped when
                         vllm does not import)
          plus the smallest cosine, over every text, of each system against
@@ -44,6 +45,9 @@ ST_BATCHES = (32, 128, 512)
 
 
 def model_dir() -> Path:
+    """The model directory: $EMB_MODEL_DIR (--model-dir), else the packaged all-MiniLM-L6-v2."""
+    if os.environ.get("EMB_MODEL_DIR"):
+        return Path(os.environ["EMB_MODEL_DIR"])
     from bucketserve.models.bert_loader import resolve_embedding_model
 
     return resolve_embedding_model(MODEL)[1]
@@ -72,15 +76,38 @@ def _timed(fn, repeats: int) -> list[float]:
     return times
 
 
+def _replay_s(runner: object, shapes: list[tuple[int, int]], repeats: int = 3) -> float:
+    """Device time of a run's batches alone: the same (rows, length) shapes replayed back to
+    back from the buffers as they are, no host work between them (median of `repeats`)."""
+    import torch
+
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(runner.stream), torch.inference_mode():
+            for rows, length in shapes:
+                graph = runner.graphs.get((rows, length))
+                if graph is not None:
+                    graph.replay()
+                else:
+                    runner._forward(rows, length)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def run_ours(texts: list[str], args: argparse.Namespace, out: dict) -> object:
     import numpy as np
     import torch
 
     from bucketserve.buckets import load_buckets
     from bucketserve.engine.embedding_batcher import build_batcher, embed_texts
+    from bucketserve.engine.embedding_tokenizer import TokenizerProcesses, unpack
     from bucketserve.models.bert_loader import load_embedding_model
 
-    loaded = load_embedding_model(MODEL, device="cuda", dtype=getattr(torch, args.dtype))
+    loaded = load_embedding_model(str(model_dir()), device="cuda",
+                                  dtype=getattr(torch, args.dtype))
     buckets = load_buckets(args.buckets).check_model(embedding_max_len=loaded.max_seq_length)
     t0 = time.perf_counter()
     batcher = build_batcher(loaded.model, loaded.config.pad_token_id, buckets)
@@ -90,23 +117,46 @@ def run_ours(texts: list[str], args: argparse.Namespace, out: dict) -> object:
                       "pool_mib": report.pool_bytes / 2**20,
                       "build_s": time.perf_counter() - t0}
     out["batch_size"] = batcher.preferred_batch_size
+    out["max_merged_padding"] = batcher.queue.max_merged_padding
+    out["chunk"] = args.chunk
+    out["cpu_count"] = os.cpu_count()
     result: list = []
+    procs_by_n: dict[int, object] = {}
 
-    async def go(part: list[str]) -> None:
-        batcher.start()
-        try:
-            result[:] = [await embed_texts(batcher, loaded.tokenizer.encode_batch, part,
-                                           args.chunk)]
-        finally:
-            await batcher.shutdown()
+    def tokenizer(n: int) -> object:
+        """n == 0: the tokenizer's batch call on one helper thread; n > 0: n processes."""
+        if n == 0:
+            return loaded.tokenizer.encode_batch
+        if n not in procs_by_n:
+            procs_by_n[n] = TokenizerProcesses(loaded.tokenizer, n)
+        return procs_by_n[n]
 
-    asyncio.run(go(texts[:2048]))  # warm-up
-    # Where the time goes: tokenization alone (same chunks, one thread, as embed_texts), and
-    # the batcher alone on token ids tokenized beforehand.
-    t0 = time.perf_counter()
-    ids = [x for i in range(0, len(texts), args.chunk)
-           for x in loaded.tokenizer.encode_batch(texts[i:i + args.chunk])]
-    out["tokenize_only_s"] = time.perf_counter() - t0
+    def run(tok: object, part: list[str]) -> None:
+        async def go() -> None:
+            batcher.start()
+            try:
+                result[:] = [await embed_texts(batcher, tok, part, args.chunk)]
+            finally:
+                await batcher.shutdown()
+
+        asyncio.run(go())
+
+    def tokenize_only(tok: object) -> float:
+        t0 = time.perf_counter()
+        parts = [texts[i:i + args.chunk] for i in range(0, len(texts), args.chunk)]
+        if hasattr(tok, "submit"):
+            futures = [tok.submit(p) for p in parts]
+            _ = [unpack(*f.result()) for f in futures]
+        else:
+            _ = [x for p in parts for x in tok(p)]
+        return time.perf_counter() - t0
+
+    variants = args.tokenizer_procs
+    out["tokenizer_procs"] = variants[0]
+    run(tokenizer(variants[0]), texts[:2048])  # warm-up
+    # Where the time goes: the batcher alone on token ids tokenized beforehand; the device
+    # alone (the same batches' graphs replayed back to back); tokenization alone per variant.
+    ids = loaded.tokenizer.encode_batch(texts)
 
     async def pre() -> None:
         batcher.start()
@@ -115,18 +165,38 @@ def run_ours(texts: list[str], args: argparse.Namespace, out: dict) -> object:
         finally:
             await batcher.shutdown()
 
+    graphs.shape_log = []
     out["pretokenized_s"] = _timed(lambda: asyncio.run(pre()), 1)[0]
+    out["device_only_s"] = _replay_s(graphs, graphs.shape_log)
+    graphs.shape_log = None
     stats = batcher.stats
-    before = (stats.computed_tokens, stats.useful_tokens, stats.num_batches)
-    times = _timed(lambda: asyncio.run(go(texts)), args.repeats)
-    computed = stats.computed_tokens - before[0]
-    useful = stats.useful_tokens - before[1]
-    out["padding_waste"] = 1.0 - useful / computed
-    out["batches_per_run"] = (stats.num_batches - before[2]) / args.repeats
+    out["variants"] = {}
+    for n in variants:
+        tok = tokenizer(n)
+        run(tok, texts[:2048])
+        v = {"tokenize_only_s": tokenize_only(tok)}
+        before = (stats.computed_tokens, stats.useful_tokens, stats.num_batches)
+        times = _timed(lambda tok=tok: run(tok, texts), args.repeats)
+        computed = stats.computed_tokens - before[0]
+        v["padding_waste"] = 1.0 - (stats.useful_tokens - before[1]) / computed
+        v["batches_per_run"] = (stats.num_batches - before[2]) / args.repeats
+        v["times_s"] = times
+        v["texts_per_s"] = len(texts) / statistics.median(times)
+        out["variants"]["thread" if n == 0 else f"procs{n}"] = v
+        print(f"  tokenizer {'thread' if n == 0 else f'{n} processes'}: {json.dumps(v)}",
+              file=sys.stderr, flush=True)
+        if n == variants[0]:
+            vecs = np.stack(result[0])
+            out["padding_waste"] = v["padding_waste"]
+            out["batches_per_run"] = v["batches_per_run"]
+            out["times_s"] = times
+    for p in procs_by_n.values():
+        p.close()
     out["graph_batches"] = graphs.num_graph_batches
     out["eager_batches"] = graphs.num_eager_batches
-    out["times_s"] = times
-    return np.stack(result[0])
+    # the batcher's own metrics (what /metrics reports), over everything this process ran
+    out["metrics_padding_waste"] = stats.padding_waste
+    return vecs
 
 
 def run_st(texts: list[str], args: argparse.Namespace, out: dict) -> object:
@@ -135,12 +205,16 @@ def run_st(texts: list[str], args: argparse.Namespace, out: dict) -> object:
 
     st = SentenceTransformer(str(model_dir()), device="cuda").float()  # whatever the file holds
     ref = st.encode(texts, batch_size=128, convert_to_numpy=True)  # float32 reference
+    out["weights_dtype"] = _weights_dtype()
     st.half()
     best = None
     for bs in args.st_batches:
         st.encode(texts[:1024], batch_size=bs)
+        # the largest size (the best in every run so far) gets the full repeats, the others
+        # --st-other-repeats (time: batch 32 takes ~16 s a run on the H200)
+        reps = args.repeats if bs == max(args.st_batches) else args.st_other_repeats
         times = _timed(lambda bs=bs: st.encode(texts, batch_size=bs, convert_to_tensor=True),
-                       args.repeats)
+                       reps)
         out[f"bs{bs}_times_s"] = times
         if best is None or statistics.median(times) < statistics.median(best[1]):
             best = (bs, times)
@@ -171,6 +245,17 @@ def run_vllm(texts: list[str], args: argparse.Namespace, out: dict) -> object:
     return np.array([o.outputs.embedding for o in result[0]], dtype=np.float32)
 
 
+def _weights_dtype() -> str:
+    """The dtype the weights file holds (the fp32 oracle needs float32 weights)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(model_dir() / "model.safetensors"), "np") as f:
+            return str(f.get_slice(next(iter(f.keys()))).get_dtype())
+    except Exception as exc:  # noqa: BLE001 - a diagnostic only
+        return f"unknown ({exc})"
+
+
 SYSTEMS = {"bucketserve": run_ours, "st": run_st, "vllm": run_vllm}
 
 
@@ -196,15 +281,27 @@ def offline(args: argparse.Namespace) -> dict:
             cmd = [sys.executable, __file__, "_child", system, "--n", str(args.n),
                    "--repeats", str(args.repeats), "--dtype", args.dtype, "--tmp", tmp,
                    "--chunk", str(args.chunk),
-                   "--st-batches", ",".join(map(str, args.st_batches))]
+                   "--tokenizer-procs", ",".join(map(str, args.tokenizer_procs)),
+                   "--st-batches", ",".join(map(str, args.st_batches)),
+                   "--st-other-repeats", str(args.st_other_repeats)]
             cmd += ["--buckets", args.buckets] if args.buckets else []
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            env = dict(os.environ)
+            if system == "vllm" and os.environ.get("VLLM_SITE"):  # vLLM's own packages: its child only
+                env["PYTHONPATH"] = os.pathsep.join(
+                    x for x in (os.environ["VLLM_SITE"], env.get("PYTHONPATH")) if x)
+                env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+                env.setdefault("VLLM_NO_USAGE_STATS", "1")
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            print(proc.stderr[-4000:] if system == "bucketserve" else "", end="",
+                  file=sys.stderr, flush=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not lines:
                 results[system] = {"error": proc.stderr[-3000:]}
                 print(f"{system}: failed\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
                 continue
             results[system] = json.loads(lines[-1][len("RESULT "):])
+            results[system]["process_s"] = time.perf_counter() - t0
             print(f"{system}: {json.dumps(results[system])}", flush=True)
         ref_path = Path(tmp) / "ref_fp32.pt"
         if ref_path.exists():
@@ -224,6 +321,159 @@ def offline(args: argparse.Namespace) -> dict:
         if ours and rate:
             results[f"ratio_vs_{peer}"] = ours / rate
     return results
+
+
+# ---------------------------------------------------------------------------- shapes
+def shapes(args: argparse.Namespace) -> dict:
+    """Cosine against sentence-transformers fp32 at every (batch, length) shape the shipped
+    config captures, each batch with padding rows where its size allows one (n = B - 1 rows
+    computed at B), and every length bucket through the eager forward (the fallback above the
+    captured sizes). Rows: corpus texts of that bucket, topped up with random in-vocabulary
+    ids of lengths in the bucket's range (the corpus has none over ~260 tokens)."""
+    import numpy as np
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from bucketserve.buckets import load_buckets
+    from bucketserve.engine.embedding_batcher import build_batcher
+    from bucketserve.models.bert_loader import load_embedding_model
+
+    loaded = load_embedding_model(str(model_dir()), device="cuda",
+                                  dtype=getattr(torch, args.dtype))
+    buckets = load_buckets(args.buckets).check_model(embedding_max_len=loaded.max_seq_length)
+    runner = build_batcher(loaded.model, loaded.config.pad_token_id, buckets).runner
+    st = SentenceTransformer(str(model_dir()), device="cuda").float()
+    spec = runner.spec
+    need = {L: max([b for b, length in runner.shapes if length == L] + [runner.max_rows])
+            for L in spec.boundaries}
+    pools: dict[int, list[list[int]]] = {L: [] for L in spec.boundaries}
+    for ids in loaded.tokenizer.encode_batch(corpus(args.n)):
+        L = spec.lookup(len(ids))
+        if len(pools[L]) < need[L]:
+            pools[L].append(ids)
+    rng = random.Random(0)
+    for i, L in enumerate(spec.boundaries):
+        low, _, high = spec.profile(i)
+        while len(pools[L]) < need[L]:
+            n = rng.randint(max(low, 3), high)
+            pools[L].append([101] + [rng.randint(1000, 29000) for _ in range(n - 2)] + [102])
+
+    def reference(rows: list[list[int]]) -> torch.Tensor:
+        L = max(map(len, rows))
+        ids = torch.zeros(len(rows), L, dtype=torch.long)
+        mask = torch.zeros(len(rows), L, dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, :len(row)] = torch.tensor(row)
+            mask[r, :len(row)] = 1
+        with torch.no_grad():
+            out = st({"input_ids": ids.cuda(), "attention_mask": mask.cuda(),
+                      "token_type_ids": torch.zeros_like(ids).cuda()})
+        return out["sentence_embedding"].float().cpu()
+
+    refs = {L: reference(pools[L]) for L in spec.boundaries}
+    worst, worst_at, checked, padded_rows, rows_checked = 1.0, None, 0, 0, 0
+    per_length: dict[int, float] = {}
+
+    def check(out: np.ndarray, L: int, n: int, where: str) -> None:
+        nonlocal worst, worst_at, rows_checked
+        cos = torch.nn.functional.cosine_similarity(torch.from_numpy(out), refs[L][:n])
+        m = cos.min().item()
+        rows_checked += n
+        per_length[L] = min(per_length.get(L, 1.0), m)
+        if m < worst:
+            worst, worst_at = m, where
+
+    for B, L in runner.shapes:
+        n = B - 1 if B > 2 else B
+        padded = runner.padded_rows(n, L)
+        padded_rows += padded - n
+        check(runner.collect(runner.launch(pools[L][:n], L)), L, n, f"graph {B}x{L} ({n} rows)")
+        checked += 1
+    graph_batches = runner.num_graph_batches
+    saved, runner.graphs = runner.graphs, {}  # every launch below takes the eager forward
+    eager = 0
+    try:
+        for L in spec.boundaries:
+            for n in sorted({1, 3, runner.max_rows}):
+                check(runner.collect(runner.launch(pools[L][:n], L)), L, n, f"eager {n}x{L}")
+                eager += 1
+    finally:
+        runner.graphs = saved
+    return {"bench": "embeddings_gpu_shapes", "dtype": args.dtype,
+            "weights_dtype": _weights_dtype(), "graphs": len(runner.graphs),
+            "graph_shapes_checked": checked, "graph_batches": graph_batches,
+            "padding_rows": padded_rows, "eager_batches": eager, "rows_checked": rows_checked,
+            "min_cosine_vs_st_fp32": worst, "worst_at": worst_at,
+            "min_cosine_per_length": {str(k): v for k, v in per_length.items()}}
+
+
+# ---------------------------------------------------------------------------- summary
+def summary(args: argparse.Namespace) -> dict:
+    """One table from the JSON files of a run (offline, shapes, online ours / vLLM)."""
+    d = Path(args.summary_dir)
+
+    def load(name: str) -> dict:
+        f = d / name
+        return json.loads(f.read_text()) if f.is_file() else {}
+
+    off, shp = load("emb_offline.json"), load("emb_shapes.json")
+    on_ours, on_vllm = load("emb_online_ours.json"), load("emb_online_vllm.json")
+    ours = off.get("bucketserve", {})
+    rows = [("offline texts/s (median of 3)", "bucketserve", ours.get("texts_per_s"))]
+    st, vl = off.get("st", {}), off.get("vllm", {})
+    rows.append((f"offline texts/s, ST fp16 best batch {st.get('best_batch')}", "st",
+                 st.get("texts_per_s")))
+    rows.append(("offline texts/s, vLLM LLM.embed", "vllm", vl.get("texts_per_s")))
+    out: dict = {"bench": "embeddings_gpu_summary", "offline": {
+        "bucketserve_texts_per_s": ours.get("texts_per_s"),
+        "st_fp16_texts_per_s": st.get("texts_per_s"), "st_best_batch": st.get("best_batch"),
+        "vllm_texts_per_s": vl.get("texts_per_s"),
+        "ratio_vs_st": off.get("ratio_vs_st"), "ratio_vs_vllm": off.get("ratio_vs_vllm"),
+        "padding_waste": ours.get("padding_waste"),
+        "metrics_padding_waste": ours.get("metrics_padding_waste"),
+        "min_cosine_vs_st_fp32": {k: off.get(k, {}).get("min_cosine_vs_st_fp32")
+                                  for k in ("bucketserve", "st", "vllm")}}}
+    out["shapes"] = {k: shp.get(k) for k in ("graphs", "graph_shapes_checked", "padding_rows",
+                                            "eager_batches", "rows_checked",
+                                            "min_cosine_vs_st_fp32", "worst_at",
+                                            "weights_dtype")}
+    out["online"] = {}
+    for shape in ("64x1", "16x32"):
+        a, b = on_ours.get(shape, {}), on_vllm.get(shape, {})
+        r = {"bucketserve_texts_per_s": a.get("texts_per_s"), "bucketserve_p50_ms": a.get("p50_ms"),
+             "bucketserve_p99_ms": a.get("p99_ms"), "vllm_texts_per_s": b.get("texts_per_s"),
+             "vllm_p50_ms": b.get("p50_ms"), "vllm_p99_ms": b.get("p99_ms")}
+        if a.get("texts_per_s") and b.get("texts_per_s"):
+            r["ratio"] = a["texts_per_s"] / b["texts_per_s"]
+        out["online"][shape] = r
+
+    def f(x: object, fmt: str = ",.0f") -> str:
+        return "n/a" if x is None else format(x, fmt)
+
+    o = out["offline"]
+    lines = ["| offline (20,000 texts, tokenization counted) | texts/s | ours / it |",
+             "|---|---|---|",
+             f"| bucketserve | {f(o['bucketserve_texts_per_s'])} | |",
+             f"| sentence-transformers fp16, batch {o['st_best_batch']} | "
+             f"{f(o['st_fp16_texts_per_s'])} | {f(o['ratio_vs_st'], '.2f')}x |",
+             f"| vLLM LLM.embed | {f(o['vllm_texts_per_s'])} | {f(o['ratio_vs_vllm'], '.2f')}x |",
+             "", f"padding waste (batcher metrics): {f(o['padding_waste'], '.2%')}; min cosine "
+             f"vs ST fp32 over the corpus: " + ", ".join(
+                 f"{k} {f(v, '.6f')}" for k, v in o["min_cosine_vs_st_fp32"].items()),
+             f"every captured shape: {shp.get('graphs')} graphs, {shp.get('padding_rows')} "
+             f"padding rows, {shp.get('eager_batches')} eager batches, min cosine "
+             f"{f(shp.get('min_cosine_vs_st_fp32'), '.6f')} (worst at {shp.get('worst_at')}; "
+             f"oracle weights {shp.get('weights_dtype')})", "",
+             "| online | bucketserve texts/s, p50, p99 | vLLM server texts/s, p50, p99 | ratio |",
+             "|---|---|---|---|"]
+    for shape, r in out["online"].items():
+        lines.append(f"| {shape} | {f(r['bucketserve_texts_per_s'])}, "
+                     f"{f(r['bucketserve_p50_ms'], '.1f')} ms, {f(r['bucketserve_p99_ms'], '.1f')} ms"
+                     f" | {f(r['vllm_texts_per_s'])}, {f(r['vllm_p50_ms'], '.1f')} ms, "
+                     f"{f(r['vllm_p99_ms'], '.1f')} ms | {f(r.get('ratio'), '.2f')}x |")
+    out["table"] = "\n".join(lines)
+    print(out["table"])
+    return out
 
 
 # ---------------------------------------------------------------------------- online
@@ -282,8 +532,10 @@ def online_round(base_url: str, model: str, texts: list[str], clients: int, per_
     bodies = []
     for i in range(0, len(texts) - per_request + 1, per_request):
         inp = texts[i] if per_request == 1 else texts[i:i + per_request]
-        bodies.append(json.dumps({"model": model, "input": inp,
-                                  "encoding_format": encoding}).encode())
+        body = {"input": inp, "encoding_format": encoding}
+        if model:  # omitted: the server's one embedding model
+            body["model"] = model
+        bodies.append(json.dumps(body).encode())
     procs = min(procs, clients)
     shares = [clients // procs + (p < clients % procs) for p in range(procs)]
     jobs = []
@@ -304,12 +556,12 @@ def online_round(base_url: str, model: str, texts: list[str], clients: int, per_
             "wall_s": wall}
 
 
-def _wait_ready(base_url: str, proc: subprocess.Popen, limit_s: float = 600.0) -> None:
+def _wait_ready(base_url: str, proc: subprocess.Popen | None, limit_s: float = 600.0) -> None:
     import urllib.request
 
     t0 = time.time()
     while time.time() - t0 < limit_s:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(base_url + "/v1/models", timeout=2):
@@ -326,13 +578,15 @@ def online(args: argparse.Namespace) -> dict:
     model = args.model
     if args.launch:
         base_url = f"http://127.0.0.1:{args.port}"
-        model = MODEL
+        model = ""
         toml = Path(tempfile.mkdtemp()) / "buckets.toml"
         toml.write_text("[kv_cache]\ngpu_memory_fraction = 0.3\n")
         cmd = [sys.executable, "-m", "bucketserve.server.cli", "serve", "--device", args.device,
                "--port", str(args.port), "--buckets", str(toml), "--log-level", "warning"]
         proc = subprocess.Popen(cmd + args.serve_args)
         _wait_ready(base_url, proc)
+    else:  # a server started beside this command may still be loading
+        _wait_ready(base_url, None)
     try:
         results: dict = {"bench": "embeddings_gpu_online", "base_url": base_url,
                          "encoding_format": args.encoding, "seconds_per_round": args.seconds}
@@ -352,20 +606,30 @@ def online(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=("offline", "online", "_child"))
+    p.add_argument("mode", choices=("offline", "online", "shapes", "summary", "_child"))
     p.add_argument("system", nargs="?", help=argparse.SUPPRESS)
+    p.add_argument("--summary-dir", default=None, help="summary: the folder of a run's JSON")
     p.add_argument("--n", type=int, default=20000, help="texts in the corpus")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     p.add_argument("--buckets", default=None, help="buckets TOML for bucketserve")
     p.add_argument("--chunk", type=int, default=1024, help="texts tokenized per chunk (ours)")
+    p.add_argument("--tokenizer-procs", type=lambda t: [int(x) for x in t.split(",")],
+                   default=[4, 0],
+                   help="ours: tokenizer processes (0: one helper thread); the first is the "
+                        "reported figure, the others are measured beside it")
+    p.add_argument("--model-dir", default=None,
+                   help="model directory (default: $EMB_MODEL_DIR, else the packaged MiniLM)")
     p.add_argument("--vllm", action="store_true", help="also vLLM's LLM.embed (offline)")
     p.add_argument("--st-batches", type=lambda t: [int(x) for x in t.split(",")],
                    default=list(ST_BATCHES), help="sentence-transformers batch sizes tried")
+    p.add_argument("--st-other-repeats", type=int, default=1,
+                   help="timed runs of the sentence-transformers batch sizes below the largest")
     p.add_argument("--systems", default="bucketserve,st", help="offline systems (and --vllm)")
     p.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
     p.add_argument("--base-url", default=None, help="online: server to load")
-    p.add_argument("--model", default=MODEL, help="online: model name sent in requests")
+    p.add_argument("--model", default="",
+                   help="online: model name sent in requests (default: none sent)")
     p.add_argument("--launch", action="store_true", help="online: start bucketserve serve")
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--device", default="cuda", help="online --launch: bucketserve's device")
@@ -376,12 +640,15 @@ def main() -> None:
     p.add_argument("--encoding", default="base64", choices=("base64", "float"))
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args()
+    if args.model_dir:
+        os.environ["EMB_MODEL_DIR"] = str(Path(args.model_dir).resolve())
     if args.mode == "_child":
         child(args.system, args)
         return
     if args.mode == "online" and not (args.launch or args.base_url):
         p.error("online needs --launch or --base-url")
-    result = offline(args) if args.mode == "offline" else online(args)
+    result = {"offline": offline, "online": online, "shapes": shapes,
+              "summary": summary}[args.mode](args)
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

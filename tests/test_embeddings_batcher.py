@@ -388,3 +388,33 @@ def test_a_synchronous_encoder_answers_each_batch_before_the_next_runs():
 
     run(main())
     assert len(calls) == 2
+
+
+def test_embed_texts_with_tokenizer_processes_matches_the_thread_path():
+    """Offline embed_texts: tokenizing in worker processes (packed int32 arrays back) gives the
+    same vectors, in text order, as the tokenizer function on a helper thread."""
+    import random
+
+    from conftest import minilm_dir
+
+    from bucketserve.engine.embedding_batcher import embed_texts
+    from bucketserve.engine.embedding_tokenizer import EmbeddingTokenizer, TokenizerProcesses
+
+    tok = EmbeddingTokenizer(minilm_dir() / "tokenizer.json", do_lower_case=True)
+    rng = random.Random(0)
+    words = ["alpha", "Beta", "gamma", "delta", "[SEP]", "café", "x", "epsilon,", "zeta!"]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 9))) for _ in range(150)]
+    enc = FakeEncoder()
+    b = make_batcher(enc, boundaries=(8, 16, 32), max_batch_tokens=256)
+
+    async def both():
+        thread = await embed_texts(b, tok.encode_batch, texts, chunk=16)
+        with TokenizerProcesses(tok, 2, threads=1) as procs:
+            packed = await embed_texts(b, procs, texts, chunk=16)
+        await b.shutdown()
+        return thread, packed
+
+    thread, packed = run(both())
+    want = [expected(ids) for ids in tok.encode_batch(texts)]
+    assert [v.tolist() for v in thread] == want
+    assert [v.tolist() for v in packed] == want

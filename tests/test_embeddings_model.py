@@ -135,6 +135,39 @@ def test_ascii_fast_path_gives_the_full_tokenizers_ids(ours, mixed_texts):
     assert tok.encode_batch(texts, max_length=16) == [e.ids for e in full.encode_batch(texts)]
 
 
+def test_whole_chunk_check_takes_the_fast_path_only_when_every_text_would(ours):
+    from tokenizers import Tokenizer
+
+    tok = ours.tokenizer
+    full = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
+    full.no_padding()
+    full.no_truncation()
+    clean = corpus(50, seed=3) + ["Mixed CASE (a) {b}!", "tabs\tand\nnewlines", "x"]
+    assert tok._fast_texts(clean) == [tok._fast_text(t) for t in clean]
+    for odd in ASCII_EDGE_CASES + ["nul\x00inside", "a [b] c", "[SEP]", "x [mask] y"]:
+        chunk = clean[:10] + [odd] + clean[10:20]
+        per_text = [tok._fast_text(t) for t in chunk]
+        joined = tok._fast_texts(chunk)
+        # all or nothing: a chunk with any text the fast path must not take falls back
+        assert joined == (per_text if None not in per_text else None), odd
+        assert tok.encode_batch(chunk) == [e.ids for e in full.encode_batch(chunk)], odd
+
+
+def test_tokenizer_processes_give_the_same_ids(ours):
+    from bucketserve.engine.embedding_tokenizer import TokenizerProcesses, unpack
+
+    texts = ASCII_EDGE_CASES + corpus(200, seed=5)
+    want = ours.tokenizer.encode_batch(texts)
+    flat, lengths = ours.tokenizer.encode_packed(texts)
+    assert [v.tolist() for v in unpack(flat, lengths)] == want
+    with TokenizerProcesses(ours.tokenizer, 2, threads=1) as procs:
+        got = procs.encode_batch(texts)
+        assert [v.dtype for v in got[:1]] == [np.int32]
+        assert [v.tolist() for v in got] == want
+        trunc = procs.encode_batch(texts, max_length=16)
+        assert [v.tolist() for v in trunc] == ours.tokenizer.encode_batch(texts, max_length=16)
+
+
 def test_truncation_matches_sentence_transformers(ours, st_model):
     text = "word " * 400
     ids = ours.tokenizer.encode_batch([text], max_length=256)[0]

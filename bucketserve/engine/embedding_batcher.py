@@ -27,7 +27,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -397,23 +397,40 @@ class EmbeddingBatcher:
                     self._finish(req, req.results)  # type: ignore[arg-type]
 
 
-async def embed_texts(batcher: EmbeddingBatcher, tokenize: Callable[[list[str]], list[list[int]]],
+async def embed_texts(batcher: EmbeddingBatcher,
+                      tokenize: Callable[[list[str]], Sequence[Sequence[int]]] | Any,
                       texts: Sequence[str], chunk: int = 1024) -> list[np.ndarray]:
-    """Offline: vectors for many texts, tokenization included. Chunks are tokenized in order
-    on one helper thread (the tokenizers library encodes a batch on all cores, the GIL
-    released) while the batcher already encodes the chunks before, so tokenizing and encoding
-    overlap instead of adding up."""
+    """Offline: vectors for many texts, tokenization included, in text order.
+
+    `tokenize` is a function (texts -> token ids per text), run on chunks in order on one
+    helper thread (the tokenizers library encodes a batch on all cores, the GIL released), or
+    a TokenizerProcesses (embedding_tokenizer.py), whose worker processes tokenize several
+    chunks at once and hand back packed arrays. Either way the batcher already encodes the
+    chunks before while later ones are tokenized, so tokenizing and encoding overlap instead
+    of adding up."""
     import concurrent.futures
 
+    from bucketserve.engine.embedding_tokenizer import unpack
+
     loop = asyncio.get_running_loop()
+    parts_in = [list(texts[i:i + chunk]) for i in range(0, len(texts), chunk)]
+    if hasattr(tokenize, "submit"):  # worker processes: every chunk submitted at once
+
+        async def one_packed(fut: concurrent.futures.Future) -> list[np.ndarray]:
+            ids = unpack(*await asyncio.wrap_future(fut))
+            return await batcher.embed(ids)
+
+        futures = [tokenize.submit(part) for part in parts_in]
+        parts = await asyncio.gather(*(one_packed(f) for f in futures))
+        return [v for part in parts for v in part]
+
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
 
         async def one(part: list[str]) -> list[np.ndarray]:
             ids = await loop.run_in_executor(pool, tokenize, part)
             return await batcher.embed(ids)
 
-        parts = await asyncio.gather(*(one(list(texts[i:i + chunk]))
-                                       for i in range(0, len(texts), chunk)))
+        parts = await asyncio.gather(*(one(part) for part in parts_in))
     return [v for part in parts for v in part]
 
 

@@ -9,15 +9,13 @@ read as a plain BertModel with mean pooling and no normalisation.
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from tokenizers import Tokenizer
 
+from bucketserve.engine.embedding_tokenizer import EmbeddingTokenizer
 from bucketserve.models.bert import POOLING_MODES, BertConfig, BertEmbeddingModel
 from bucketserve.models.registry import resolve
 
@@ -32,103 +30,6 @@ _POOLING_FLAGS = {
     "pooling_mode_lasttoken": "lasttoken",
 }
 _ST_MODULES = {"Transformer", "Pooling", "Normalize"}
-
-
-# ASCII control characters BertNormalizer's clean_text removes (tab, newline, return stay: they
-# are whitespace to the pre-tokenizer either way).
-_ASCII_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-
-
-class EmbeddingTokenizer:
-    """tokenizers.Tokenizer with the file's own padding/truncation switched off: the batcher
-    pads to bucket lengths itself, and over-long inputs are refused or truncated explicitly.
-
-    ASCII fast path: BERT's normalizer (clean text, CJK spacing, NFD accent stripping,
-    lowercasing) runs per character with offset bookkeeping and took about half the encode
-    time. On ASCII text without control characters or special-token strings, all it does is
-    lowercase, so such texts are lowercased in Python and encoded by a copy of the tokenizer
-    without normalizer: the same ids (tests/test_embeddings_model.py compares them), ~1.9x
-    faster. Other texts take the full tokenizer.
-    """
-
-    def __init__(self, path: Path, do_lower_case: bool = False) -> None:
-        self._tok = Tokenizer.from_file(str(path))
-        self._tok.no_padding()
-        self._tok.no_truncation()
-        self.do_lower_case = do_lower_case
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        # Rust batch encoding over all cores, the GIL released; the _fast variant (tokenizers
-        # >= 0.20) skips character offsets, which embeddings never use (~25% faster).
-        self._encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        self._plain, self._plain_lower, self._specials = self._ascii_fast_path()
-
-    def _ascii_fast_path(self) -> tuple[Callable | None, bool, tuple[str, ...]]:
-        """(encode of the normalizer-free copy, lowercase first, special-token strings), or
-        (None, ...) when the tokenizer's normalizer is not BERT's (no fast path)."""
-        spec = json.loads(self._tok.to_str())
-        norm = spec.get("normalizer") or {}
-        if norm.get("type") != "BertNormalizer":
-            return None, False, ()
-        plain = Tokenizer.from_str(self._tok.to_str())
-        plain.normalizer = None
-        specials = tuple(t["content"] for t in spec.get("added_tokens", []))
-        encode = getattr(plain, "encode_batch_fast", plain.encode_batch)
-        return encode, bool(norm.get("lowercase", True)), specials
-
-    def _fast_text(self, text: str) -> str | None:
-        """The text the normalizer-free copy encodes to the same ids, or None (full path)."""
-        if not text.isascii() or _ASCII_CONTROL.search(text):
-            return None
-        low = text.lower()
-        for s in self._specials:  # added tokens are matched before (or after) normalizing
-            if s in text or s.lower() in low:
-                return None
-        return low if self._plain_lower else text
-
-    def _encodings(self, texts: list[str], add_special_tokens: bool = True) -> list:
-        """tokenizers Encodings of texts, through the ASCII fast path where it applies."""
-        if self._plain is None:
-            return self._encode(texts, add_special_tokens=add_special_tokens)
-        fast = [self._fast_text(t) for t in texts]
-        if None not in fast:
-            return self._plain(fast, add_special_tokens=add_special_tokens)
-        out: list = [None] * len(texts)
-        picks = [i for i, f in enumerate(fast) if f is not None]
-        rest = [i for i, f in enumerate(fast) if f is None]
-        if picks:
-            encs = self._plain([fast[i] for i in picks], add_special_tokens=add_special_tokens)
-            for i, e in zip(picks, encs, strict=True):
-                out[i] = e
-        encs = self._encode([texts[i] for i in rest], add_special_tokens=add_special_tokens)
-        for i, e in zip(rest, encs, strict=True):
-            out[i] = e
-        return out
-
-    def encode_batch(self, texts: list[str], max_length: int | None = None) -> list[list[int]]:
-        """Token ids with special tokens ([CLS] ... [SEP]). max_length truncates as
-        sentence-transformers does: keeps the start and the special tokens, <= max_length ids."""
-        if self.do_lower_case:
-            texts = [t.lower() for t in texts]
-        if max_length is None:
-            return [e.ids for e in self._encodings(texts)]
-        special = self._tok.num_special_tokens_to_add(is_pair=False)
-        if max_length <= special:
-            raise ValueError(f"truncation length {max_length} leaves no room for the text; "
-                             f"use at least {special + 1}")
-        # Truncate the text's own tokens, then add the special tokens: what the tokenizer's
-        # truncation does, without touching its shared (thread-unsafe) truncation state.
-        out = []
-        for enc in self._encodings(texts, add_special_tokens=False):
-            if len(enc.ids) > max_length - special:
-                enc.truncate(max_length - special)
-            out.append(self._tok.post_process(enc).ids)
-        return out
-
-    def encode(self, text: str) -> list[int]:
-        return self.encode_batch([text])[0]
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
 
 
 @dataclass
