@@ -346,12 +346,17 @@ def main() -> None:
         result["served_load_avg_1m_start"] = load_avg()
         result["served"] = served(systems, args, workloads, tmp)
         save()
-        if set(systems) >= {"bucketserve", "vllm"}:
-            result["served_ratio"] = {
-                wl.stem: round(result["served"]["bucketserve"][wl.stem]["median_output_tok_s"]
-                               / result["served"]["vllm"][wl.stem]["median_output_tok_s"], 2)
-                for wl in workloads}
-            print("served ratio (bucketserve / vLLM):", result["served_ratio"], flush=True)
+        if "vllm" in systems:
+            peer = result["served"]["vllm"]
+            for system in systems:
+                if system.startswith("bucketserve"):
+                    key = "served_ratio" + system[len("bucketserve"):].replace("-", "_")
+                    result[key] = {
+                        wl.stem: round(result["served"][system][wl.stem]["median_output_tok_s"]
+                                       / peer[wl.stem]["median_output_tok_s"], 2)
+                        for wl in workloads}
+                    print(f"served ratio ({system} / vLLM):", result[key], flush=True)
+            save()
     if "offline" in parts or "hf" in parts:
         from transformers import AutoTokenizer
 
@@ -363,7 +368,7 @@ def main() -> None:
         reqs_path.write_text(json.dumps(reqs))
     if "offline" in parts:
         result["offline"] = {}
-        for system in systems:
+        for system in [s for s in systems if s in ("bucketserve", "vllm")]:
             result["offline"][system] = {"load_avg_1m_start": load_avg(),
                                          **offline(system, args, reqs_path, tmp)}
             save()
