@@ -31,8 +31,11 @@ def _cpus(text: str) -> set[int]:
         part = part.strip()
         if not part:
             continue
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
+        lo, dash, hi = part.partition("-")
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if first < 0 or last < first:
+            raise ValueError(part)
+        out.update(range(first, last + 1))
     return out
 
 
