@@ -10,7 +10,7 @@ Parts (all by default, in this order, one system at a time on the same machine):
            `-inproc` the engine core in a thread of the server's process (--engine-in-process),
            `-t1` / `-t2` BUCKETSERVE_CPU_THREADS=1 / 2 (vLLM's CPU build runs its model on one
            core and keeps the other for its front end), `-pin` BUCKETSERVE_CPU_AFFINITY=auto,
-           `-mkl` BUCKETSERVE_CPU_GEMM=mkl
+           `-mkl` BUCKETSERVE_CPU_GEMM=mkl, `-spin` / `-nospin` GOMP_SPINCOUNT=10000 / 0
   offline  the engine alone (LLMEngine.generate, as bench/offline_throughput.py) vs vLLM's
            offline LLM.generate on the same token ids (prefix caching off), --offline-runs
            timed runs each after a warm-up
@@ -164,6 +164,9 @@ VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "t2": ([], {"BUCKETSERVE_CPU_THREADS": "2"}),  # two compute threads
     "pin": ([], {"BUCKETSERVE_CPU_AFFINITY": "auto"}),  # engine and front end on their own cores
     "mkl": ([], {"BUCKETSERVE_CPU_GEMM": "mkl"}),  # MKL's packed sgemm (before oneDNN)
+    # OpenMP threads spin ~0.1 ms (10,000 spins) before they sleep, instead of sleeping at once
+    "spin": ([], {"GOMP_SPINCOUNT": "10000"}),
+    "nospin": ([], {"GOMP_SPINCOUNT": "0"}),  # sleep at once (OMP_WAIT_POLICY=PASSIVE alone)
 }
 
 
@@ -400,6 +403,8 @@ VARIANT_LABELS = {
     "bucketserve-t1": "1 compute thread",
     "bucketserve-pin": "engine on core 0 with 1 thread, front end on core 1",
     "bucketserve-mkl": "MKL sgemm instead of oneDNN",
+    "bucketserve-spin": "OpenMP threads spin 10,000 times before sleeping",
+    "bucketserve-nospin": "OpenMP threads sleep at once",
 }
 
 
