@@ -3,7 +3,7 @@
 Every component is timed around its call (wall clock and process CPU time, all threads), and
 split by step kind (steps with prompt tokens vs pure decode steps):
 
-  prefill_attention   causal attention of the prompt chunks (SDPA)
+  prefill_attention   causal attention of the prompt chunks (the C kernel, or SDPA)
   decode_attention    paged decode attention (the C kernel, or the torch path)
   kv_write            K/V into the pool (with the C kernels: rotary + K/V write)
   norms, silu_mul     the C kernels' RMSNorm (+ residual add) and SiLU-and-mul
@@ -140,6 +140,7 @@ def main() -> None:
     engine = LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len))
     clk = Clock()
     attention._prefill_attention = clk.wrap("prefill_attention", attention._prefill_attention)
+    cpu_decode.paged_prefill = clk.wrap("prefill_attention", cpu_decode.paged_prefill)
     cpu_decode.paged_decode = clk.wrap("decode_attention", cpu_decode.paged_decode)
     attention._decode_attention = clk.wrap("decode_attention", attention._decode_attention)
     attention.write_kv = clk.wrap("kv_write", attention.write_kv)
