@@ -3,7 +3,7 @@
 Every component is timed around its call (wall clock and process CPU time, all threads), and
 split by step kind (steps with prompt tokens vs pure decode steps):
 
-  prefill_attention   causal attention of the prompt chunks (SDPA)
+  prefill_attention   causal attention of the prompt chunks (the C kernel, or SDPA)
   decode_attention    paged decode attention (the C kernel, or the torch path)
   kv_write            K/V into the pool (with the C kernels: rotary + K/V write)
   norms, silu_mul     the C kernels' RMSNorm (+ residual add) and SiLU-and-mul
@@ -13,7 +13,7 @@ split by step kind (steps with prompt tokens vs pure decode steps):
   lm_head             compute_logits
   sampler             token selection
   prepare             the runner's input building
-  engine_other        scheduler, output processing / detokenization, stats (step - runner.run)
+  engine_other        scheduler, output processing / detokenization, stats (step - runner.launch)
 
     .venv/bin/python bench/cpu_profile.py --workload ../shared/workloads/mixed.jsonl [--threads 2]
 
@@ -43,6 +43,9 @@ from bucketserve.kernels import attention, cpu_decode
 from bucketserve.models import llama, load_model
 
 ROOT = Path(__file__).resolve().parent.parent
+# ../shared beside the checkout (or two levels up, from a git worktree under wt/)
+SHARED = next((p for p in (ROOT.parent / "shared", ROOT.parent.parent / "shared") if p.is_dir()),
+              ROOT.parent / "shared")
 
 
 class Clock:
@@ -82,7 +85,8 @@ def cpu_model() -> str:
 
 
 def machine_rates() -> dict:
-    """sgemm GFLOP/s (MKL packed, the path the model uses) at the model's shapes, and the
+    """sgemm GFLOP/s of each packed GEMM backend (oneDNN, MKL; the model uses
+    llama.cpu_gemm_backend()) at the model's shapes, with the process's thread count, and the
     copy bandwidth of a 512 MiB buffer (about the weights' size)."""
     def best(f, n=5):
         f()
@@ -94,12 +98,20 @@ def machine_rates() -> dict:
         return min(ts)
 
     out = {}
-    for rows in (16, 64, 512, 2048):
-        for o, i in ((960, 576), (3072, 576), (576, 1536)):
-            x, w = torch.randn(rows, i), torch.randn(o, i)
-            p = llama.pack_weight(w)
-            t = best(lambda: llama.packed_linear(x, p, w, None))  # noqa: B023
-            out[f"sgemm_{rows}x{i}x{o}_gflops"] = round(2 * rows * o * i / t / 1e9, 1)
+    used = llama._GEMM
+    backends = [b for b, ok in (("onednn", llama.onednn_packing_available()),
+                                ("mkl", llama.mkl_packing_available())) if ok]
+    try:
+        for backend in backends:
+            llama._GEMM = backend
+            for rows in (16, 64, 512, 2048):
+                for o, i in ((960, 576), (3072, 576), (576, 1536)):
+                    x, w = torch.randn(rows, i), torch.randn(o, i)
+                    p = llama.pack_weight(w)
+                    t = best(lambda: llama.packed_linear(x, p, w, None))  # noqa: B023
+                    out[f"{backend}_sgemm_{rows}x{i}x{o}_gflops"] = round(2 * rows * o * i / t / 1e9, 1)
+    finally:
+        llama._GEMM = used
     a = torch.ones(2**27)
     b = torch.empty_like(a)
     t = best(lambda: b.copy_(a))
@@ -111,7 +123,7 @@ def machine_rates() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", type=Path, default=ROOT.parent / "shared" / "workloads" / "mixed.jsonl")
+    ap.add_argument("--workload", type=Path, default=SHARED / "workloads" / "mixed.jsonl")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-rates", action="store_true")
@@ -128,6 +140,7 @@ def main() -> None:
     engine = LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len))
     clk = Clock()
     attention._prefill_attention = clk.wrap("prefill_attention", attention._prefill_attention)
+    cpu_decode.paged_prefill = clk.wrap("prefill_attention", cpu_decode.paged_prefill)
     cpu_decode.paged_decode = clk.wrap("decode_attention", cpu_decode.paged_decode)
     attention._decode_attention = clk.wrap("decode_attention", attention._decode_attention)
     attention.write_kv = clk.wrap("kv_write", attention.write_kv)
@@ -140,21 +153,20 @@ def main() -> None:
     model.forward = clk.wrap("model_forward", model.forward)
     model.compute_logits = clk.wrap("lm_head", model.compute_logits)
     r = engine.runner
-    r.sampler = clk.wrap("sampler", r.sampler)
-    r._prepare = clk.wrap("prepare", r._prepare)
-    run = clk.wrap("runner_run", r.run)
-    r.run = run
+    r.sampler.sample = clk.wrap("sampler", r.sampler.sample)
+    r.inputs.fill = clk.wrap("prepare", r.inputs.fill)  # the input building (host side)
+    run = clk.wrap("runner_run", r.launch)  # the engine steps through launch (+ result)
     step = engine.step
 
     def kind_step():
-        clk.kind = "unknown"  # runner.run sets the step's kind once the batch is known
+        clk.kind = "unknown"  # runner.launch sets the step's kind once the batch is known
         return step()
 
     def run_kind(batch):
         clk.kind = "decode" if batch.num_decodes == len(batch.seqs) else "prefill"
         return run(batch)
 
-    r.run = run_kind
+    r.launch = run_kind
     engine.step = clk.wrap("step", kind_step, kind="all")
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in reqs]
     # warm-up (kernel build, first-call costs) on two short requests, not counted
@@ -188,7 +200,7 @@ def main() -> None:
         "workload": args.workload.name, "requests": len(reqs), "prompt_tokens": n_prompt,
         "output_tokens": n_out, "wall_s": round(wall, 2), "process_cpu_s": round(cpu, 2),
         "output_tok_s": round(n_out / wall, 1), "torch_threads": torch.get_num_threads(),
-        "steps": engine.stats.num_steps, "cpu": cpu_model(), "cpu_flags": cpu_features(),
+        "steps": engine.stats.num_steps, "gemm_backend": llama._GEMM, "cpu": cpu_model(), "cpu_flags": cpu_features(),
         "decode_kernel": cpu_decode.build_info() if hasattr(cpu_decode, "build_info") else None,
         "engine_other_wall_s": round(step_wall - run_wall, 3),
         "outside_step_wall_s": round(wall - step_wall, 3),

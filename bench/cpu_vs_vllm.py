@@ -6,9 +6,11 @@ Parts (all by default, in this order, one system at a time on the same machine):
            the shared load client (../shared/bench/loadgen.py: streaming completions, closed
            loop at --concurrency, EOS ignored) on each workload, --runs times after a warm-up,
            the systems' runs interleaved (all servers up, one driven at a time); medians of
-           output tokens/s. System `bucketserve-t1` is bucketserve with
-           BUCKETSERVE_CPU_THREADS=1 (the other thread layout: vLLM's CPU build runs its model
-           on one core and keeps the other for its front end)
+           output tokens/s. bucketserve variants (--systems bucketserve-inproc,...):
+           `-inproc` the engine core in a thread of the server's process (--engine-in-process),
+           `-t1` / `-t2` BUCKETSERVE_CPU_THREADS=1 / 2 (vLLM's CPU build runs its model on one
+           core and keeps the other for its front end), `-pin` BUCKETSERVE_CPU_AFFINITY=auto,
+           `-mkl` BUCKETSERVE_CPU_GEMM=mkl, `-spin` / `-nospin` GOMP_SPINCOUNT=10000 / 0
   offline  the engine alone (LLMEngine.generate, as bench/offline_throughput.py) vs vLLM's
            offline LLM.generate on the same token ids (prefix caching off), --offline-runs
            timed runs each after a warm-up
@@ -122,11 +124,15 @@ def start_server(system: str, args, tmp: Path) -> tuple[subprocess.Popen, int, d
     port = free_port()
     env = dict(os.environ) if system.startswith("bucketserve") else peer_env()
     if system.startswith("bucketserve"):
-        if system == "bucketserve-t1":  # the other thread layout: one compute thread
-            env["BUCKETSERVE_CPU_THREADS"] = "1"
         cmd = [sys.executable, "-m", "bucketserve.server.cli", "serve", "--port", str(port),
                "--model", args.hf_dir, "--embedding-model", "none", "--dtype", "float32",
                "--log-level", "warning"]
+        for variant in system.split("-")[1:]:
+            if variant not in VARIANTS:
+                raise SystemExit(f"unknown system {system!r}: variants are {sorted(VARIANTS)}")
+            flags, extra_env = VARIANTS[variant]
+            cmd += flags
+            env.update(extra_env)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     else:
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_dir,
@@ -150,6 +156,18 @@ def start_server(system: str, args, tmp: Path) -> tuple[subprocess.Popen, int, d
 
 
 MODEL = "smollm2-hf"  # the served name both servers answer to
+
+# bucketserve systems: "bucketserve" (defaults) plus "-VARIANT"s, e.g. "bucketserve-inproc-t1"
+VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "inproc": (["--engine-in-process"], {}),  # the engine core in a thread of the server
+    "t1": ([], {"BUCKETSERVE_CPU_THREADS": "1"}),  # one compute thread (vLLM CPU's layout)
+    "t2": ([], {"BUCKETSERVE_CPU_THREADS": "2"}),  # two compute threads
+    "pin": ([], {"BUCKETSERVE_CPU_AFFINITY": "auto"}),  # engine and front end on their own cores
+    "mkl": ([], {"BUCKETSERVE_CPU_GEMM": "mkl"}),  # MKL's packed sgemm (before oneDNN)
+    # OpenMP threads spin ~0.1 ms (10,000 spins) before they sleep, instead of sleeping at once
+    "spin": ([], {"GOMP_SPINCOUNT": "10000"}),
+    "nospin": ([], {"GOMP_SPINCOUNT": "0"}),  # sleep at once (OMP_WAIT_POLICY=PASSIVE alone)
+}
 
 
 def served(systems: list[str], args, workloads: list[Path], tmp: Path) -> dict:
@@ -331,12 +349,17 @@ def main() -> None:
         result["served_load_avg_1m_start"] = load_avg()
         result["served"] = served(systems, args, workloads, tmp)
         save()
-        if set(systems) >= {"bucketserve", "vllm"}:
-            result["served_ratio"] = {
-                wl.stem: round(result["served"]["bucketserve"][wl.stem]["median_output_tok_s"]
-                               / result["served"]["vllm"][wl.stem]["median_output_tok_s"], 2)
-                for wl in workloads}
-            print("served ratio (bucketserve / vLLM):", result["served_ratio"], flush=True)
+        if "vllm" in systems:
+            peer = result["served"]["vllm"]
+            for system in systems:
+                if system.startswith("bucketserve"):
+                    key = "served_ratio" + system[len("bucketserve"):].replace("-", "_")
+                    result[key] = {
+                        wl.stem: round(result["served"][system][wl.stem]["median_output_tok_s"]
+                                       / peer[wl.stem]["median_output_tok_s"], 2)
+                        for wl in workloads}
+                    print(f"served ratio ({system} / vLLM):", result[key], flush=True)
+            save()
     if "offline" in parts or "hf" in parts:
         from transformers import AutoTokenizer
 
@@ -348,7 +371,7 @@ def main() -> None:
         reqs_path.write_text(json.dumps(reqs))
     if "offline" in parts:
         result["offline"] = {}
-        for system in systems:
+        for system in [s for s in systems if s in ("bucketserve", "vllm")]:
             result["offline"][system] = {"load_avg_1m_start": load_avg(),
                                          **offline(system, args, reqs_path, tmp)}
             save()
@@ -375,6 +398,16 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k.endswith("ratio") or k.startswith("served_mixed")}))
 
 
+VARIANT_LABELS = {
+    "bucketserve-inproc": "engine core in the server's process",
+    "bucketserve-t1": "1 compute thread",
+    "bucketserve-pin": "engine on core 0 with 1 thread, front end on core 1",
+    "bucketserve-mkl": "MKL sgemm instead of oneDNN",
+    "bucketserve-spin": "OpenMP threads spin 10,000 times before sleeping",
+    "bucketserve-nospin": "OpenMP threads sleep at once",
+}
+
+
 def markdown_table(r: dict) -> str:
     """The README table of one results JSON."""
     rows = ["| | bucketserve | vLLM CPU | ratio |", "|---|---|---|---|"]
@@ -388,10 +421,14 @@ def markdown_table(r: dict) -> str:
                         f"{r['runs']}: runs) | **{ours['median_output_tok_s']}** ({runs(ours)}) | "
                         f"{peer['median_output_tok_s']} ({runs(peer)}) | "
                         f"**{ours['median_output_tok_s'] / peer['median_output_tok_s']:.2f}x** |")
-        t1 = served_.get("bucketserve-t1", {}).get(wl)
-        if t1:
-            rows.append(f"| served `{wl}`, bucketserve with BUCKETSERVE_CPU_THREADS=1 | "
-                        f"{t1['median_output_tok_s']} | | |")
+        for system, res in served_.items():
+            var = res.get(wl)
+            if not system.startswith("bucketserve-") or not var or not peer:
+                continue
+            runs_v = ", ".join(str(y["output_tok_s"]) for y in var["runs"])
+            rows.append(f"| served `{wl}`, `{system}` ({VARIANT_LABELS.get(system, system)}) | "
+                        f"{var['median_output_tok_s']} ({runs_v}) | | "
+                        f"{var['median_output_tok_s'] / peer['median_output_tok_s']:.2f}x |")
     off = r.get("offline", {})
     if "bucketserve" in off and "vllm" in off:
         rows.append(f"| offline `mixed` (engine alone vs `LLM.generate`), output tok/s | "

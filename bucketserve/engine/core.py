@@ -217,6 +217,10 @@ def run_core_process(cfg: CoreConfig) -> None:
     code = 0
     try:
         try:
+            if cfg.device == "cpu":  # BUCKETSERVE_CPU_AFFINITY (kernels/cpu_threads.py)
+                from bucketserve.kernels.cpu_threads import apply_engine_layout
+
+                apply_engine_layout()
             core = EngineCore(build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path,
                                              cfg.nvtx))
         except (FileNotFoundError, ValueError) as exc:  # a bad model name, file or config

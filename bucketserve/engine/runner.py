@@ -302,7 +302,7 @@ class ModelRunner:
                                     dtype=dtype, device=device)
         model.bind_kv_cache(self.kv_cache)
         if device.type == "cpu" and hasattr(model, "pack_cpu_weights") and model.pack_cpu_weights():
-            log.info("CPU: projections use MKL's packed sgemm")
+            log.info("CPU: projections use a packed sgemm (oneDNN or MKL: BUCKETSERVE_CPU_GEMM)")
         log.info("KV pool: %d blocks of %d tokens, %.2f GiB", num_blocks, block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
         self.max_blocks = -(-max_model_len // block_size)

@@ -21,6 +21,7 @@ Block 0 is reserved as the dummy block: padded slots write there and nothing rea
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -173,6 +174,9 @@ class AttentionBackend:
     backend on CUDA (bucketserve.kernels.triton_attention), selected by the runner."""
 
     name = "torch"
+    # float32 CPU prompt chunks through the C kernel (cpu_decode.paged_prefill), else SDPA
+    c_prefill = os.environ.get("BUCKETSERVE_CPU_PREFILL_KERNEL", "1").strip().lower() not in (
+        "0", "false", "off", "no")
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -181,13 +185,20 @@ class AttentionBackend:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         nd = meta.num_decodes
-        if not nd or not cpu_decode.supports(q, k_cache):
+        if not cpu_decode.supports(q, k_cache):
             return reference_attention(q, k_cache, v_cache, meta, scale)
-        # float32 on the CPU: decodes through the C kernel, which reads the pool in place
+        # float32 on the CPU: the C kernels, which read the pool in place
         out = torch.empty(q.shape, dtype=q.dtype)
-        cpu_decode.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                scale, out[:nd])
-        _prefill_attention(q, k_cache, v_cache, meta, scale, out)
+        if nd:
+            cpu_decode.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                    scale, out[:nd])
+        if nd < meta.num_seqs:
+            if self.c_prefill and cpu_decode.prefill_supported(q, k_cache):
+                cpu_decode.paged_prefill(q, k_cache, v_cache, meta.block_tables[nd:meta.num_seqs],
+                                         meta.query_lens_cpu[nd:], meta.seq_lens_cpu[nd:], nd,
+                                         scale, out)
+            else:
+                _prefill_attention(q, k_cache, v_cache, meta, scale, out)
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

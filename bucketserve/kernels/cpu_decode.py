@@ -135,6 +135,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.paged_decode_f32
     fn.restype = i32
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32, i32]
+    fn = lib.paged_prefill_f32
+    fn.restype = i32
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                   f32, i32]
     lib.rms_norm_f32.restype = None
     lib.rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]
     lib.rope_write_kv_f32.restype = None
@@ -219,6 +223,37 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.shape[1], scale, threads())
     if rc != 0:
         raise ValueError(f"paged_decode_f32: unsupported shape (heads {hq}/{k_cache.shape[2]}, "
+                         f"head_dim {d}, block_size {k_cache.shape[1]})")
+
+
+def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """paged_prefill's shapes: block size 16, head_dim a multiple of 16 up to 256."""
+    d = q.shape[2]
+    return (supports(q, k_cache) and k_cache.shape[1] == 16 and d % 16 == 0 and d <= 256
+            and q.shape[1] % k_cache.shape[2] == 0 and q.shape[1] // k_cache.shape[2] <= 113)
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+                  first_row: int, scale: float, out: torch.Tensor) -> None:
+    """Causal attention of prompt chunks over the pool (their K/V written). q, out:
+    [T, Hq, D] (rows of head dim contiguous; out contiguous); the chunks' rows follow each
+    other from `first_row`; block_tables [len(query_lens), W] int32, one row per chunk;
+    chunk i has query_lens[i] queries, the last ones of a context of seq_lens[i] positions."""
+    lib = load()
+    assert lib is not None and out.is_contiguous()
+    n = len(query_lens)
+    qlen = torch.tensor(query_lens, dtype=torch.int64)
+    klen = torch.tensor(seq_lens, dtype=torch.int64)
+    qstart = (qlen.cumsum(0) - qlen) + first_row
+    tables = block_tables.contiguous()
+    hq, d = q.shape[1], q.shape[2]
+    rc = lib.paged_prefill_f32(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.stride(0), qstart.data_ptr(), qlen.data_ptr(), klen.data_ptr(), out.data_ptr(),
+        out.stride(0), n, hq, k_cache.shape[2], d, k_cache.shape[1], scale, threads())
+    if rc != 0:
+        raise ValueError(f"paged_prefill_f32: unsupported shape (heads {hq}/{k_cache.shape[2]}, "
                          f"head_dim {d}, block_size {k_cache.shape[1]})")
 
 

@@ -61,23 +61,54 @@ def mkl_packing_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
 
+def onednn_packing_available() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def cpu_gemm_backend() -> str | None:
+    """Which packed float32 GEMM the CPU projections use: BUCKETSERVE_CPU_GEMM = "onednn",
+    "mkl" or "auto" (default: oneDNN where this torch has it, else MKL; None: neither).
+
+    oneDNN picks its kernels by the CPU's instruction set, MKL also by its vendor: on the AMD
+    EPYC (Zen 5, AVX-512) of this project's 2-core machine MKL's packed sgemm ran its AVX2
+    kernels at ~110 GFLOP/s per core and oneDNN's AVX-512 ones at ~250 (bench/cpu_profile.py
+    measures both at the model's shapes)."""
+    want = os.environ.get("BUCKETSERVE_CPU_GEMM", "auto").strip().lower() or "auto"
+    if want not in ("auto", "onednn", "mkl"):
+        raise ValueError(f"BUCKETSERVE_CPU_GEMM={want!r}: expected auto, onednn or mkl")
+    if want in ("auto", "onednn") and onednn_packing_available():
+        return "onednn"
+    if want in ("auto", "mkl") and mkl_packing_available():
+        return "mkl"
+    return None
+
+
 def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
-    """MKL's packed layout of a float32 [out, in] weight. Packed sgemm is 2-4x faster than
-    F.linear at the small row counts of CPU decode steps (measured: 64 rows x 576 -> 3072,
-    8.0 ms -> 2.1 ms on 2 cores) and no slower at prefill sizes."""
+    """The packed layout of a float32 [out, in] weight for the CPU GEMM backend in use
+    (cpu_gemm_backend). Packed sgemm is 2-4x faster than F.linear at the small row counts of
+    CPU decode steps (measured: 64 rows x 576 -> 3072, 8.0 ms -> 2.1 ms on 2 cores, MKL) and no
+    slower at prefill sizes; oneDNN's layout chosen for 64 rows serves 8..2048 rows at the
+    same rate."""
+    if _GEMM == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
     return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), batch_hint)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
+    if _GEMM == "onednn":
+        return _dnn_linear(x, packed, bias, "none", [], "")
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
 
 
 def pack_linear_weights(module: nn.Module, weight: torch.Tensor) -> bool:
-    """Gives every Linear inside `module` MKL's packed copy of its weight, when `weight` (one
-    of the model's parameters) is float32 on CPU and MKL packing is available; the original
-    weights stay (autograd, unpacked paths). Returns False, changing nothing, otherwise."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not mkl_packing_available():
+    """Gives every Linear inside `module` a packed copy of its weight (pack_weight), when
+    `weight` (one of the model's parameters) is float32 on CPU and a packed GEMM is available;
+    the original weights stay (autograd, unpacked paths). Returns False, changing nothing,
+    otherwise."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or _GEMM is None:
         return False
     for sub in module.modules():
         if isinstance(sub, Linear):
@@ -85,7 +116,9 @@ def pack_linear_weights(module: nn.Module, weight: torch.Tensor) -> bool:
     return True
 
 
+_GEMM = cpu_gemm_backend()
 _mkl_linear = torch.ops.mkl._mkl_linear if mkl_packing_available() else None
+_dnn_linear = torch.ops.mkldnn._linear_pointwise if onednn_packing_available() else None
 
 
 def _apply_cpu_threads() -> None:
@@ -100,9 +133,11 @@ def _apply_cpu_threads() -> None:
 def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
     """(packed, weight, bias) of a Linear applied to x [T, in] (no module call overhead)."""
     packed, weight, bias = lin
-    if packed is not None:
-        return _mkl_linear(x, packed, weight, bias, x.shape[0])
-    return F.linear(x, weight, bias)
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if _GEMM == "onednn":
+        return _dnn_linear(x, packed, bias, "none", [], "")
+    return _mkl_linear(x, packed, weight, bias, x.shape[0])
 
 
 class Linear(nn.Module):
@@ -311,7 +346,7 @@ class LlamaForCausalLM(nn.Module):
     def _forward_cpu(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The forward above with the row-wise work in C: the residual add fused into each
         RMSNorm, q and k rotated and k, v written to the pool in one pass, SiLU-and-mul in
-        one pass; the GEMMs stay on MKL (packed sgemm) and attention on the backend. Same
+        one pass; the GEMMs stay on the packed sgemm (oneDNN or MKL) and attention on the backend. Same
         operations in the same order per element (rounding included) as the torch path,
         except the reductions' summation order and SiLU's exp (within 2 ulp)."""
         if self._threads_set_for != threading.get_ident():
@@ -415,8 +450,8 @@ class LlamaForCausalLM(nn.Module):
         return layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(x))), res
 
     def pack_cpu_weights(self) -> bool:
-        """Switches every projection (and the LM head) of a float32 CPU model to MKL's packed
-        sgemm; the original weights stay for the embedding lookup and for autograd. Returns
+        """Switches every projection (and the LM head) of a float32 CPU model to the packed
+        sgemm (cpu_gemm_backend); the original weights stay for the embedding lookup and for autograd. Returns
         False (and changes nothing) where packing does not apply."""
         w = self.model.embed_tokens.weight
         if not pack_linear_weights(self, w):

@@ -148,6 +148,10 @@ def serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(1)  # no model work in this process: leave the cores to the engine
+    if args.device == "cpu" and not args.engine_in_process:
+        from bucketserve.kernels.cpu_threads import apply_frontend_layout
+
+        apply_frontend_layout()  # BUCKETSERVE_CPU_AFFINITY; the core pinned itself
 
     ctx = ServerContext(engine, shutdown_timeout_s=args.shutdown_timeout)
     if args.request_log:

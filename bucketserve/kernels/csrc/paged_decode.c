@@ -396,3 +396,203 @@ void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter, int 
         }
     }
 }
+
+/* ---- prefill attention ------------------------------------------------------------------ */
+
+/* Causal attention of prompt chunks over the paged pool (their K/V already written), with no
+ * gather of the context. One work item is (sequence, kv head, tile of up to 16 query
+ * positions); its rows are the tile's positions times the G query heads of the kv head, and
+ * they are processed 16 at a time with one row per vector lane: Q is transposed once per
+ * item, so that both products run as broadcast-FMAs on plain loads,
+ *
+ *   S^T[t][rows] = sum_c Q^T[c][rows] * K[t][c]        (16 key positions t of a block)
+ *   O^T[c][rows] = O^T[c][rows] * corr + sum_t P^T[t][rows] * V[t][c]
+ *
+ * and the online softmax (running max and sum per row) is lane-wise, with no horizontal
+ * reductions. Keys past a row's position get weight exactly 0. Block size 16, D a multiple of
+ * 16 up to 256 (the caller checks). */
+
+#define PF_TILE 16   /* query positions per item (fewer when G is large) */
+#define PF_ROWS 128  /* rows (positions x G) per item */
+
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+static inline v16 fma16(v16 a, v16 b, v16 c) { /* a * b + c, fused */
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+    union { v16 v; __m256 h[2]; } x = {a}, y = {b}, z = {c}, r;
+    r.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
+    r.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
+    return r.v;
+#else
+    v16 r;
+    for (int i = 0; i < 16; ++i) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+#endif
+}
+
+static inline v16 bcast16(float x) { return (v16){0} + x; }
+
+static inline v16 max16(v16 a, v16 b) {
+    const v16i gt = a > b;
+    return (v16)(((v16i)a & gt) | ((v16i)b & ~gt));
+}
+
+/* exp_poly lane-wise */
+static inline v16 exp16(v16 x) {
+    x = max16(x, bcast16(-87.0f));
+    x = -max16(-x, bcast16(-88.0f));
+    const v16 t = x * 1.44269504088896341f;
+    const v16 n = (t + 12582912.0f) - 12582912.0f;
+    v16 r = fma16(n, bcast16(-0.693145751953125f), x);
+    r = fma16(n, bcast16(-1.428606765330187e-06f), r);
+    v16 p = bcast16(1.3888889e-03f);
+    p = fma16(p, r, bcast16(8.3333333e-03f));
+    p = fma16(p, r, bcast16(4.1666667e-02f));
+    p = fma16(p, r, bcast16(1.6666667e-01f));
+    p = fma16(p, r, bcast16(0.5f));
+    p = fma16(p, r, bcast16(1.0f));
+    p = fma16(p, r, bcast16(1.0f));
+    const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return p * (v16)e;
+}
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int32_t *tables;
+    const int64_t *qstart, *qlen, *klen; /* per prefill sequence */
+    float *out;
+    int64_t q_stride, out_stride, table_stride, hq, hkv, d, bs;
+    float scale;
+} Prefill;
+
+static inline __attribute__((always_inline)) void prefill_item(
+        const Prefill *j, int64_t s, int64_t h, int64_t i0, int64_t nq, const int64_t G,
+        const int64_t D) {
+    const int64_t pos_stride = j->hkv * D;
+    const int64_t nrows = nq * G, ngroups = (nrows + 15) / 16;
+    const int64_t qlen = j->qlen[s], klen = j->klen[s];
+    const int64_t first = klen - qlen + i0; /* position of the tile's first query */
+    const int64_t last = first + nq - 1;
+    const int32_t *table = j->tables + s * j->table_stride;
+    const int64_t W = ngroups * 16; /* row stride of qt / ot */
+    float qt[D * W] __attribute__((aligned(64))); /* Q^T [D][W] */
+    float ot[D * W] __attribute__((aligned(64))); /* O^T [D][W] */
+    float m[PF_ROWS] __attribute__((aligned(64))), l[PF_ROWS] __attribute__((aligned(64)));
+    float rowpos[PF_ROWS] __attribute__((aligned(64)));
+    for (int64_t r = 0; r < W; ++r) {
+        /* row r = (query position r / G, head r % G); padding rows copy the last real row */
+        const int64_t rr = r < nrows ? r : nrows - 1;
+        const int64_t qi = rr / G, g = rr % G;
+        const float *src = j->q + (j->qstart[s] + i0 + qi) * j->q_stride + (h * G + g) * D;
+        for (int64_t c = 0; c < D; ++c) qt[c * W + r] = src[c];
+        rowpos[r] = (float)(first + qi);
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(ot, 0, sizeof(float) * D * W);
+    const int64_t nblocks = last / 16 + 1;
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t blk = table[b];
+        const float *kb = j->k_cache + blk * 16 * pos_stride + h * D;
+        const float *vb = j->v_cache + blk * 16 * pos_stride + h * D;
+        const int64_t k0 = b * 16;
+        const int masked = k0 + 15 > first; /* some row sees only part of this block */
+        for (int64_t grp = 0; grp < ngroups; ++grp) {
+            const int64_t r0 = grp * 16;
+            if (masked && (float)k0 > rowpos[r0 + 15] && (float)k0 > rowpos[r0])
+                continue; /* no row of this group sees any key of the block */
+            v16 st[16];
+            for (int t = 0; t < 16; ++t) st[t] = (v16){0};
+            for (int64_t c = 0; c < D; ++c) {
+                const v16 qc = ld16(qt + c * W + r0);
+                for (int t = 0; t < 16; ++t) st[t] = fma16(qc, bcast16(kb[t * pos_stride + c]), st[t]);
+            }
+            const v16 pos = ld16(rowpos + r0);
+            v16 mx = ld16(m + r0);
+            const v16 mold = mx;
+            v16i keep[16];
+            for (int t = 0; t < 16; ++t) {
+                st[t] *= j->scale;
+                keep[t] = bcast16((float)(k0 + t)) <= pos; /* causal: key position <= row's */
+                const v16 sm = (v16)(((v16i)st[t] & keep[t]) | ((v16i)bcast16(-INFINITY) & ~keep[t]));
+                mx = max16(mx, sm);
+            }
+            const v16 corr = exp16(mold - mx); /* rows with m = -inf: exp(-inf) -> ~0, acc is 0 */
+            v16 lsum = (v16){0};
+            for (int t = 0; t < 16; ++t) {
+                st[t] = (v16)((v16i)exp16(st[t] - mx) & keep[t]);
+                lsum += st[t];
+            }
+            memcpy(m + r0, &mx, sizeof mx);
+            const v16 lnew = ld16(l + r0) * corr + lsum;
+            memcpy(l + r0, &lnew, sizeof lnew);
+            for (int64_t c0 = 0; c0 < D; c0 += 8) {
+                v16 acc[8];
+                for (int c = 0; c < 8; ++c) acc[c] = ld16(ot + (c0 + c) * W + r0) * corr;
+                for (int t = 0; t < 16; ++t) {
+                    const float *vt = vb + t * pos_stride + c0;
+                    for (int c = 0; c < 8; ++c) acc[c] = fma16(st[t], bcast16(vt[c]), acc[c]);
+                }
+                for (int c = 0; c < 8; ++c) memcpy(ot + (c0 + c) * W + r0, &acc[c], sizeof(v16));
+            }
+        }
+    }
+    for (int64_t r = 0; r < nrows; ++r) {
+        const int64_t qi = r / G, g = r % G;
+        float *dst = j->out + (j->qstart[s] + i0 + qi) * j->out_stride + (h * G + g) * D;
+        const float inv = 1.0f / l[r];
+        for (int64_t c = 0; c < D; ++c) dst[c] = ot[c * W + r] * inv;
+    }
+}
+
+/* q [T, q_stride] rows (query head i of row t at q + t*q_stride + i*D), out [T, out_stride]
+ * likewise; sequence s has its qlen[s] query rows from row qstart[s], at positions
+ * klen[s] - qlen[s] .. klen[s] - 1 of a context of klen[s] positions in the pool. */
+int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache,
+                      const float *v_cache, const int32_t *tables, int64_t table_stride,
+                      const int64_t *qstart, const int64_t *qlen, const int64_t *klen,
+                      float *out, int64_t out_stride, int64_t ns, int64_t hq, int64_t hkv,
+                      int64_t d, int64_t bs, float scale, int nthreads) {
+    if (hq % hkv || bs != 16 || d % 16 || d > MAX_DIM || hq / hkv > PF_ROWS - 15) return -1;
+    const int64_t G = hq / hkv;
+    int64_t tile = PF_ROWS / G;
+    tile = tile > PF_TILE ? PF_TILE : tile;
+    const Prefill j = {q, k_cache, v_cache, tables, qstart, qlen, klen, out, q_stride,
+                       out_stride, table_stride, hq, hkv, d, bs, scale};
+    int64_t items = 0, work = 0;
+    for (int64_t s = 0; s < ns; ++s) {
+        items += (qlen[s] + tile - 1) / tile * hkv;
+        work += qlen[s] * klen[s];
+    }
+    int nt = nthreads < 1 ? 1 : nthreads;
+    if (work < 4096) nt = 1;
+    /* items in order of decreasing cost: the last tiles of the longest contexts first */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+    for (int64_t w = 0; w < items; ++w) {
+        int64_t rem = w, s = 0, n = 0;
+        for (s = 0; s < ns; ++s) {
+            n = (qlen[s] + tile - 1) / tile * hkv;
+            if (rem < n) break;
+            rem -= n;
+        }
+        const int64_t ntiles = n / hkv;
+        const int64_t ti = ntiles - 1 - rem / hkv, h = rem % hkv; /* last tile first */
+        const int64_t i0 = ti * tile;
+        const int64_t nq = qlen[s] - i0 < tile ? qlen[s] - i0 : tile;
+        if (G == 3 && d == 64)
+            prefill_item(&j, s, h, i0, nq, 3, 64);
+        else if (G == 4 && d == 64)
+            prefill_item(&j, s, h, i0, nq, 4, 64);
+        else if (G == 4 && d == 128)
+            prefill_item(&j, s, h, i0, nq, 4, 128);
+        else
+            prefill_item(&j, s, h, i0, nq, G, d);
+    }
+    return 0;
+}
