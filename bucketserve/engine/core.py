@@ -217,8 +217,11 @@ def run_core_process(cfg: CoreConfig) -> None:
     code = 0
     try:
         try:
-            core = EngineCore(build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path,
-                                             cfg.nvtx))
+            engine = build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path, cfg.nvtx)
+            from bucketserve.engine.fake_core import FakeCore, fake_step_s
+
+            step_s = fake_step_s()  # front-end benchmarks only (engine/fake_core.py)
+            core = EngineCore(engine) if step_s is None else FakeCore(engine, step_s)
         except (FileNotFoundError, ValueError) as exc:  # a bad model name, file or config
             outbox.send(out_enc.encode(CoreFailed(str(exc))))
             code = 2
