@@ -125,7 +125,7 @@ def load(server: Server, a: argparse.Namespace, out: str) -> dict:
            f"http://127.0.0.1:{server.port}", "--num-requests", str(a.num_requests),
            "--prompt-len", a.prompt_len, "--output-len", a.output_len, "--prompt-kind",
            a.prompt_kind, "--concurrency", str(a.streams), "--workers", str(a.client_workers),
-           "--seed", "0", "--scrape-interval", "0", "--out", out]
+           "--seed", "0", "--out", out]
     f0, c0 = server.cpu()
     t0 = time.monotonic()
     client = psutil.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -42,6 +42,17 @@ from bucketserve.engine.stats import EngineStats
 log = logging.getLogger(__name__)
 
 
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of a request (b follows a)."""
+    b.new_token_ids = a.new_token_ids + b.new_token_ids
+    b.new_text = a.new_text + b.new_text
+    if a.new_logprobs:
+        b.new_logprobs = a.new_logprobs + b.new_logprobs
+    if a.metrics:
+        b.metrics = {**a.metrics, **b.metrics}
+    return b
+
+
 class EngineDeadError(RuntimeError):
     """The engine core has stopped; no request can be served."""
 
@@ -161,6 +172,13 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.get()
+                while not isinstance(item, BaseException) and not stream.empty():
+                    # the consumer is behind: hand it every step's news in one output
+                    nxt = stream.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        stream.put_nowait(nxt)  # (nothing follows an error)
+                        break
+                    item = merge_outputs(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
