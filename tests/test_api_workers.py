@@ -132,3 +132,59 @@ def test_killing_the_core_fails_streams_and_the_server_exits_non_zero(server) ->
     assert code != 0
     assert wait_until(lambda: all(gone(p.pid) for p in workers), EXIT_BOUND_S)
     assert "engine core died" in server.log()
+
+
+def test_one_choice_stream_that_is_not_read_is_bounded_and_aborted(monkeypatch) -> None:
+    """The single-choice path has no merging task: AsyncEngine itself bounds what it holds
+    for a consumer that stops reading, aborts the request and ends the stream with 408."""
+    import asyncio
+
+    from bucketserve.engine import async_engine
+    from bucketserve.engine.async_engine import AsyncEngine
+    from bucketserve.engine.messages import AbortRequests, RequestLimits
+    from bucketserve.engine.stats import EngineStats
+    from bucketserve.server.errors import APIError
+    from bucketserve.server.generation import InFlight, Job, run_choices
+    from bucketserve.server.metrics import ServerMetrics
+
+    monkeypatch.setattr(async_engine, "MAX_QUEUED_OUTPUTS", 5)
+
+    class Core:
+        model_name, kv_blocks_total, tokenizer = "m", 100, None
+        limits = RequestLimits(100, 1000, 100, 16, 100, 60.0)
+
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def start(self, deliver, died) -> None:
+            pass
+
+        def send(self, msg) -> None:
+            self.sent.append(msg)
+
+        def is_alive(self) -> bool:
+            return True
+
+    async def scenario() -> None:
+        core = Core()
+        engine = AsyncEngine(core)
+        engine.start()
+        job = Job([1, 2], SamplingParams(max_tokens=50, detokenize=False))
+        outputs = run_choices(engine, [job], "slow", 0, InFlight(),
+                              ServerMetrics(lambda: EngineStats()))
+        first = asyncio.ensure_future(anext(outputs))
+        await asyncio.sleep(0)
+        engine._on_step(StepOutputs([SeqOutput("slow-0", [7])], None, 0, 1, 1, 1))
+        assert (await first)[1].new_token_ids == [7]
+        for t in range(10):  # the consumer is stuck meanwhile
+            engine._on_step(StepOutputs([SeqOutput("slow-0", [t])], None, 0, 1, 1, 1))
+        assert any(isinstance(m, AbortRequests) and m.request_ids == ["slow-0"]
+                   for m in core.sent)
+        got = []
+        with pytest.raises(APIError) as err:
+            async for _, out in outputs:
+                got += out.new_token_ids
+        assert err.value.status == 408 and err.value.code == "client_too_slow"
+        assert got == list(range(6))  # what was held (merged into one output), then the error
+
+    asyncio.run(scenario())

@@ -57,6 +57,15 @@ class EngineDeadError(RuntimeError):
     """The engine core has stopped; no request can be served."""
 
 
+class StalledStreamError(RuntimeError):
+    """The request's consumer stopped taking its outputs; the request was aborted."""
+
+
+# Outputs held for a request whose consumer does not take them (a client that stopped reading
+# blocks its sender): past this many the request is aborted and its stream ends in an error.
+MAX_QUEUED_OUTPUTS = 1024
+
+
 class AsyncEngine:
     def __init__(self, core: CoreClient) -> None:
         self.core = core
@@ -222,6 +231,11 @@ class AsyncEngine:
                 to_finish.append(rid)
             if out is not None:
                 stream.put_nowait(out)
+                if stream.qsize() > MAX_QUEUED_OUTPUTS and o.finish_reason is None:
+                    del streams[rid]  # nothing more for it: its consumer is gone or stuck
+                    stream.put_nowait(StalledStreamError(
+                        f"the client did not read its stream ({stream.qsize()} outputs waiting)"))
+                    self.abort(rid)
         if to_finish:
             self.core.send(FinishRequests(to_finish))
 
