@@ -9,9 +9,11 @@
 # TOK: SmolLM2's tokenizer.json / tokenizer_config.json / config.json (no weights needed).
 # VLLM_SITE: vLLM 0.25.1 and its server's dependencies installed with `pip install --target`; unset or
 # SKIP_VLLM=1 runs bucketserve only. DEV=cpu tries the flow on a CPU (float32). vLLM runs with prefix caching off (the timed runs repeat prompts).
+# API_WORKERS=N: bucketserve's HTTP front-end processes (`serve --api-workers N`, default 1; `auto` picks by cores).
+# WORKERS is the load client's process count, not the server's.
 set -u
 ROOT=$(pwd); CS=${CS:-256 64}; REPS=${REPS:-3}; SHAPE=${SHAPE:-smollm2-135m}; OUT=${OUT:-/tmp/online}
-WARMUP=${WARMUP:-64}; WORKERS=${WORKERS:-4}; M=/tmp/model-$SHAPE; DEV=${DEV:-cuda}
+WARMUP=${WARMUP:-64}; WORKERS=${WORKERS:-4}; API_WORKERS=${API_WORKERS:-1}; M=/tmp/model-$SHAPE; DEV=${DEV:-cuda}
 mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 - "$TOK" "$M" "$SHAPE" "$DEV" <<'PY'
 import os, shutil, sys, torch
@@ -52,7 +54,7 @@ if [ -z "${SKIP_OURS:-}" ]; then
   # the timed runs repeat the same prompts: prefix caching off on both sides (PREFIX=1 keeps ours on)
   B="$OUT/ours.toml"; [ -n "${PREFIX:-}" ] && : > "$B" || printf '[kv_cache]\nprefix_caching = false\n' > "$B"
   python3 -m bucketserve.server.cli serve --buckets "$B" --host 127.0.0.1 --port 8200 --model "$M" \
-    --embedding-model none --device "$DEV" > "$OUT/ours_${SHAPE}_server.log" 2>&1 &
+    --embedding-model none --device "$DEV" --api-workers "$API_WORKERS" > "$OUT/ours_${SHAPE}_server.log" 2>&1 &
   BP=$!; if up 8200 $BP; then load 8200 ours; else tail -20 "$OUT/ours_${SHAPE}_server.log"; fi
   kill -TERM $BP 2>/dev/null; wait $BP 2>/dev/null
   [ -z "${SKIP_OFFLINE:-}" ] && PYTHONPATH="$ROOT:${PYTHONPATH:-}" python3 bench/offline_workload.py --model "$M" --workload "$WORKLOAD" \

@@ -42,8 +42,28 @@ from bucketserve.engine.stats import EngineStats
 log = logging.getLogger(__name__)
 
 
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of a request (b follows a)."""
+    b.new_token_ids = a.new_token_ids + b.new_token_ids
+    b.new_text = a.new_text + b.new_text
+    if a.new_logprobs:
+        b.new_logprobs = a.new_logprobs + b.new_logprobs
+    if a.metrics:
+        b.metrics = {**a.metrics, **b.metrics}
+    return b
+
+
 class EngineDeadError(RuntimeError):
     """The engine core has stopped; no request can be served."""
+
+
+class StalledStreamError(RuntimeError):
+    """The request's consumer stopped taking its outputs; the request was aborted."""
+
+
+# Outputs held for a request whose consumer does not take them (a client that stopped reading
+# blocks its sender): past this many the request is aborted and its stream ends in an error.
+MAX_QUEUED_OUTPUTS = 1024
 
 
 class AsyncEngine:
@@ -161,6 +181,13 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.get()
+                while not isinstance(item, BaseException) and not stream.empty():
+                    # the consumer is behind: hand it every step's news in one output
+                    nxt = stream.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        stream.put_nowait(nxt)  # (nothing follows an error)
+                        break
+                    item = merge_outputs(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -204,6 +231,11 @@ class AsyncEngine:
                 to_finish.append(rid)
             if out is not None:
                 stream.put_nowait(out)
+                if stream.qsize() > MAX_QUEUED_OUTPUTS and o.finish_reason is None:
+                    del streams[rid]  # nothing more for it: its consumer is gone or stuck
+                    stream.put_nowait(StalledStreamError(
+                        f"the client did not read its stream ({stream.qsize()} outputs waiting)"))
+                    self.abort(rid)
         if to_finish:
             self.core.send(FinishRequests(to_finish))
 

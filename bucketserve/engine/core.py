@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import msgspec
+
 from bucketserve.engine.llm_engine import LLMEngine
 from bucketserve.engine.messages import (
     AbortRequests,
@@ -144,6 +146,49 @@ def run_core_loop(core: EngineCore, receive: Callable[[float], Iterable[CoreInpu
 # ---- the core in its own process ---------------------------------------------------------
 
 
+class Router:
+    """The core's side of several front-end processes (--api-workers N).
+
+    Each AddRequest names its front end (`client`); every step's StepOutputs is split into
+    one message per front end holding the outputs of its own requests (so each still gets
+    exactly one message per step), with the step's stats and queue depths in every one (each
+    front end's engine metrics see every step) and that front end's own count of taken-in
+    requests. A Shutdown ends the core only once every front end has sent one."""
+
+    def __init__(self, num_clients: int) -> None:
+        self.num_clients = num_clients
+        self.owner: dict[str, int] = {}
+        self.added = [0] * num_clients
+        self.shutdowns = 0
+
+    def take(self, msg: CoreInput) -> bool:
+        """Notes an input; False for one the core loop must not see (an early Shutdown)."""
+        if isinstance(msg, AddRequest):
+            if not 0 <= msg.client < self.num_clients:
+                raise ValueError(f"AddRequest from unknown front end {msg.client}")
+            if self.num_clients > 1:
+                self.owner[msg.request_id] = msg.client
+            self.added[msg.client] += 1
+        elif isinstance(msg, Shutdown):
+            self.shutdowns += 1
+            return self.shutdowns >= self.num_clients
+        return True
+
+    def split(self, msg: StepOutputs) -> list[StepOutputs]:
+        if self.num_clients == 1:
+            return [msg]
+        parts: list[list[SeqOutput]] = [[] for _ in range(self.num_clients)]
+        owner = self.owner
+        for o in msg.outputs:
+            client = (owner.get(o.request_id, 0) if o.finish_reason is None
+                      else owner.pop(o.request_id, 0))
+            parts[client].append(o)
+        return [msgspec.structs.replace(msg, outputs=part, num_added=added)
+                for part, added in zip(parts, self.added, strict=True)]
+
+
+
+
 @dataclass(frozen=True)
 class CoreConfig:
     """What `bucketserve serve` hands the core process (picklable)."""
@@ -152,8 +197,10 @@ class CoreConfig:
     device: str
     dtype: str  # "auto" | "float32" | "bfloat16" | "float16"
     buckets_path: str | None
-    input_address: str  # the core PULLs requests here
-    output_address: str  # the core PUSHes StepOutputs here
+    # one (input, output) address pair per front-end process (--api-workers): the core PULLs
+    # requests from every input address and PUSHes each front end's StepOutputs to its own
+    input_addresses: tuple[str, ...]
+    output_addresses: tuple[str, ...]
     parent_pid: int
     log_level: str = "info"
     nvtx: bool = False  # an NVTX range per engine step (LLMEngine nvtx)
@@ -202,14 +249,23 @@ def run_core_process(cfg: CoreConfig) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(cfg.input_address)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(cfg.output_address)
-    for sock in (inbox, outbox):
-        sock.setsockopt(zmq.LINGER, 1000)
+    inbox.setsockopt(zmq.LINGER, 1000)
+    for address in cfg.input_addresses:  # one socket, fair-queued over every front end
+        inbox.connect(address)
+    outboxes = []
+    for address in cfg.output_addresses:
+        outbox = ctx.socket(zmq.PUSH)
+        outbox.setsockopt(zmq.LINGER, 1000)
+        outbox.connect(address)
+        outboxes.append(outbox)
     in_enc, in_dec = input_codec()
     out_enc, _ = output_codec()
     del in_enc
+    router = Router(len(outboxes))
+
+    def send_all(data: bytes, flags: int = 0) -> None:
+        for outbox in outboxes:
+            outbox.send(data, flags)
 
     def parent_alive() -> bool:
         return os.getppid() == cfg.parent_pid
@@ -221,13 +277,16 @@ def run_core_process(cfg: CoreConfig) -> None:
                 from bucketserve.kernels.cpu_threads import apply_engine_layout
 
                 apply_engine_layout()
-            core = EngineCore(build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path,
-                                             cfg.nvtx))
+            engine = build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path, cfg.nvtx)
+            from bucketserve.engine.fake_core import FakeCore, fake_step_s
+
+            step_s = fake_step_s()  # front-end benchmarks only (engine/fake_core.py)
+            core = EngineCore(engine) if step_s is None else FakeCore(engine, step_s)
         except (FileNotFoundError, ValueError) as exc:  # a bad model name, file or config
-            outbox.send(out_enc.encode(CoreFailed(str(exc))))
+            send_all(out_enc.encode(CoreFailed(str(exc))))
             code = 2
             return
-        outbox.send(out_enc.encode(core.ready()))
+        send_all(out_enc.encode(core.ready()))
 
         def receive(timeout_s: float) -> list[CoreInput]:
             msgs = []
@@ -235,12 +294,15 @@ def run_core_process(cfg: CoreConfig) -> None:
                 return msgs
             while True:
                 try:
-                    msgs.append(in_dec.decode(inbox.recv(zmq.NOBLOCK, copy=False).buffer))
+                    msg = in_dec.decode(inbox.recv(zmq.NOBLOCK, copy=False).buffer)
                 except zmq.Again:
                     return msgs
+                if router.take(msg):
+                    msgs.append(msg)
 
         def send(msg: StepOutputs) -> None:
-            outbox.send(out_enc.encode(msg), copy=False)
+            for outbox, part in zip(outboxes, router.split(msg), strict=True):
+                outbox.send(out_enc.encode(part), copy=False)
 
         run_core_loop(core, receive, send, parent_alive)
         if not parent_alive():
@@ -248,13 +310,14 @@ def run_core_process(cfg: CoreConfig) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the front end, then exit 1
         log.exception("engine core failed")
         try:
-            outbox.send(out_enc.encode(CoreFailed(f"{type(exc).__name__}: {exc}")), zmq.NOBLOCK)
+            send_all(out_enc.encode(CoreFailed(f"{type(exc).__name__}: {exc}")), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         code = 1
     finally:
         inbox.close(0)
-        outbox.close()
+        for outbox in outboxes:
+            outbox.close()
         ctx.term()
         if code:
             sys.exit(code)

@@ -26,6 +26,7 @@ from typing import Protocol
 from bucketserve.engine.core import CoreConfig, EngineCore, run_core_loop, run_core_process
 from bucketserve.engine.llm_engine import LLMEngine
 from bucketserve.engine.messages import (
+    AddRequest,
     CoreFailed,
     CoreInput,
     CoreReady,
@@ -105,39 +106,87 @@ class ThreadCore:
             self._thread.join(timeout_s)
 
 
+def core_addresses(directory: str, num_clients: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """ZeroMQ ipc addresses in `directory`: (inputs, outputs), one pair per front end."""
+    return (tuple(f"ipc://{directory}/in{k}" for k in range(num_clients)),
+            tuple(f"ipc://{directory}/out{k}" for k in range(num_clients)))
+
+
+def spawn_core(model: str, device: str, dtype: str, buckets_path: str | None, log_level: str,
+               nvtx: bool, directory: str, num_clients: int) -> multiprocessing.Process:
+    """Starts the core process (spawn, not fork: a fresh interpreter, whatever threads this
+    process already runs); it connects to every front end's addresses in `directory`."""
+    inputs, outputs = core_addresses(directory, num_clients)
+    cfg = CoreConfig(model=model, device=device, dtype=dtype, buckets_path=buckets_path,
+                     input_addresses=inputs, output_addresses=outputs,
+                     parent_pid=os.getpid(), log_level=log_level, nvtx=nvtx)
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_core_process, args=(cfg,), name="bucketserve-core")
+    proc.start()
+    return proc
+
+
 class ProcessCore:
-    """Starts the core process and waits for its READY (the model is loaded and warm)."""
+    """The front end's side of a core process: waits for its READY (the model is loaded and
+    warm), then sends requests and receives StepOutputs.
+
+    Either it starts the core itself (the constructor: one front end, the default), or it
+    attaches to a core that another process started (`attach`: front end k of
+    --api-workers N, whose parent started the core); then `client` tags its requests so the
+    core routes their outputs back here, and the core's death is seen through a pidfd."""
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "auto",
                  buckets_path: str | None = None, log_level: str = "info",
                  nvtx: bool = False) -> None:
+        self._dir = tempfile.mkdtemp(prefix="bucketserve-core-")
+        self._own_dir = True
+        self._bind(self._dir, 0)
+        self.proc: multiprocessing.Process | None = spawn_core(
+            model, device, dtype, buckets_path, log_level, nvtx, self._dir, 1)
+        self._core_fd = self.proc.sentinel
+        self._setup()
+
+    @classmethod
+    def attach(cls, directory: str, client: int, core_pid: int) -> ProcessCore:
+        """Front end `client` of a core started elsewhere (whose addresses are in
+        `directory`); returns once the core said READY (raises CoreStartError if it failed)."""
+        self = cls.__new__(cls)
+        self._dir, self._own_dir = directory, False
+        self._bind(directory, client)
+        self.proc = None
+        self._core_pid = core_pid
+        self._core_fd = None
+        try:
+            self._core_fd = os.pidfd_open(core_pid)
+        except ProcessLookupError:
+            self._close()
+            raise CoreStartError("the engine core process exited during start-up") from None
+        self._setup()
+        return self
+
+    def _bind(self, directory: str, client: int) -> None:
         import zmq
 
         self._zmq = zmq
+        self.client = client
         self._ctx = zmq.Context()
-        self._dir = tempfile.mkdtemp(prefix="bucketserve-core-")
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        inputs, outputs = core_addresses(directory, client + 1)
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._to_core.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
         self._to_core.setsockopt(zmq.LINGER, 0)
-        self._to_core.bind(in_addr)
+        self._to_core.bind(inputs[client])
         self._from_core = self._ctx.socket(zmq.PULL)
         self._from_core.setsockopt(zmq.RCVHWM, 0)
         self._from_core.setsockopt(zmq.LINGER, 0)
-        self._from_core.bind(out_addr)
+        self._from_core.bind(outputs[client])
         self._enc, _ = input_codec()
         _, self._dec = output_codec()
         self._send_lock = threading.Lock()
         self._closing = False
         self._dead = False
         self._thread: threading.Thread | None = None
-        cfg = CoreConfig(model=model, device=device, dtype=dtype, buckets_path=buckets_path,
-                         input_address=in_addr, output_address=out_addr,
-                         parent_pid=os.getpid(), log_level=log_level, nvtx=nvtx)
-        # spawn, not fork: a fresh interpreter, whatever threads this process already runs
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_core_process, args=(cfg,), name="bucketserve-core")
-        self.proc.start()
+
+    def _setup(self) -> None:
         try:
             ready = self._wait_ready()
         except BaseException:
@@ -152,11 +201,17 @@ class ProcessCore:
 
         self.tokenizer = tokenizer_from_spec(ready.tokenizer)
 
+    def _exit_code(self) -> int | None:
+        if self.proc is not None:
+            self.proc.join(1.0)
+            return self.proc.exitcode
+        return None  # not our child: its parent collects the status
+
     def _wait_ready(self) -> CoreReady:
         zmq = self._zmq
         poller = zmq.Poller()
         poller.register(self._from_core, zmq.POLLIN)
-        poller.register(self.proc.sentinel, zmq.POLLIN)
+        poller.register(self._core_fd, zmq.POLLIN)
         while True:
             events = dict(poller.poll(1000))
             if self._from_core in events:
@@ -165,10 +220,9 @@ class ProcessCore:
                     return msg
                 if isinstance(msg, CoreFailed):
                     raise CoreStartError(f"the engine core failed to start: {msg.message}")
-            elif self.proc.sentinel in events:
-                self.proc.join()
+            elif self._core_fd in events:
                 raise CoreStartError(
-                    f"the engine core process exited during start-up (code {self.proc.exitcode})")
+                    f"the engine core process exited during start-up (code {self._exit_code()})")
 
     def start(self, deliver: Deliver, died: Died) -> None:
         self._thread = threading.Thread(target=self._receive_loop, args=(deliver, died),
@@ -180,7 +234,7 @@ class ProcessCore:
         sock, dec = self._from_core, self._dec
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(self.proc.sentinel, zmq.POLLIN)
+        poller.register(self._core_fd, zmq.POLLIN)
         while not self._closing:
             events = dict(poller.poll(100))
             if sock in events:
@@ -195,15 +249,16 @@ class ProcessCore:
                         self._dead = True
                         died(msg.message)
                         return
-            elif self.proc.sentinel in events:
+            elif self._core_fd in events:
                 if self._closing:
                     return
-                self.proc.join(1.0)
                 self._dead = True
-                died(f"the engine core process exited (code {self.proc.exitcode})")
+                died(f"the engine core process exited (code {self._exit_code()})")
                 return
 
     def send(self, msg: CoreInput) -> None:
+        if self.client and isinstance(msg, AddRequest):
+            msg.client = self.client
         data = self._enc.encode(msg)
         with self._send_lock:
             try:
@@ -212,12 +267,24 @@ class ProcessCore:
                 pass  # no core connected: it is gone, and the receiver reports that
 
     def is_alive(self) -> bool:
-        return not self._dead and self.proc.is_alive()
+        if self._dead:
+            return False
+        if self.proc is not None:
+            return self.proc.is_alive()
+        try:
+            os.kill(self._core_pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
     def stop(self, timeout_s: float) -> None:
-        """Asks the core to exit, waits up to timeout_s, then kills it; closes the sockets."""
+        """Tells the core this front end is done. The core we started exits on that (else it
+        is killed after timeout_s); an attached core exits once every front end said so."""
         self._closing = True
-        if self.proc.is_alive():
+        if self.proc is None:
+            if not self._dead:
+                self.send(Shutdown())  # _close lingers until it has left
+        elif self.proc.is_alive():
             self.send(Shutdown())
             self.proc.join(timeout_s)
         self._kill()
@@ -226,12 +293,15 @@ class ProcessCore:
         self._close()
 
     def _kill(self) -> None:
-        if self.proc.is_alive():
+        if self.proc is not None and self.proc.is_alive():
             self.proc.kill()  # it ignores SIGTERM by design (the front end drains)
             self.proc.join(5.0)
 
     def _close(self) -> None:
-        self._to_core.close(0)
+        self._to_core.close(0 if self._own_dir else 1000)
         self._from_core.close(0)
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self.proc is None and self._core_fd is not None:
+            os.close(self._core_fd)
+        if self._own_dir:
+            shutil.rmtree(self._dir, ignore_errors=True)

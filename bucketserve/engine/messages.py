@@ -54,6 +54,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams  # the core's copy: no stop strings, no detokenizing
     priority: int
     arrival_time: float  # time.monotonic() in the front end (one clock for the whole host)
+    client: int = 0  # which front-end process sent it (--api-workers): its outputs go there
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -69,7 +70,7 @@ class FinishRequests(msgspec.Struct, tag="finish", array_like=True):
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    pass
+    """This front end is done; the core exits once every front end has said so."""
 
 
 CoreInput = AddRequest | AbortRequests | FinishRequests | Shutdown
@@ -96,7 +97,9 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     num_waiting: int
     num_running: int
     kv_blocks_used: int
-    num_added: int  # AddRequests the core has taken in so far (front end: sent - added = pending)
+    # AddRequests the core has taken in so far from the front end this message goes to
+    # (front end: sent - added = pending)
+    num_added: int
     # prefix cache (block_manager.py), running totals: prompt tokens looked up, of those found
     # cached, and blocks held by the cache now
     prefix_queries_total: int = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -45,6 +46,8 @@ class EngineStats:
         self.kind_padding_tokens: Counter[str] = Counter()
         self.batch_sizes: Counter[tuple[str, int]] = Counter()  # (kind, sequences in the step)
         self.finished: Counter[str] = Counter()
+        # also told of every finish (the server's metrics across --api-workers processes)
+        self.on_finished: Callable[[str], None] | None = None
         self.num_waiting = 0
         self.num_running = 0
         self.kv_blocks_used = 0
@@ -72,6 +75,8 @@ class EngineStats:
     def record_finished(self, reason: str) -> None:
         with self._lock:
             self.finished[reason] += 1
+        if self.on_finished is not None:
+            self.on_finished(reason)
 
     def set_queue(self, num_waiting: int, num_running: int, kv_blocks_used: int) -> None:
         with self._lock:

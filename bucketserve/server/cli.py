@@ -71,11 +71,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-log-text", action="store_true",
                    help="with --request-log: also log the generated text (never logged otherwise)")
     s.add_argument("--nvtx", action="store_true", help="NVTX range per engine step (cuda; for Nsight Systems)")
+    s.add_argument("--api-workers", type=_api_workers, default=1, metavar="N",
+                   help="HTTP front-end processes sharing the port (SO_REUSEPORT), all fed by the "
+                        "one engine core; 'auto': one per 4 CPU cores, at most 8. More than 1 "
+                        "serves generation only (needs --embedding-model none)")
     from bucketserve.bench.cli import add_bench_parser, add_tune_parser
 
     add_bench_parser(sub)
     add_tune_parser(sub)
     return parser
+
+
+def _api_workers(value: str) -> int:
+    if value == "auto":
+        return max(1, min(8, (os.cpu_count() or 1) // 4))
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    return n
 
 
 def _torch_dtype(name: str, device: str):
@@ -124,14 +140,14 @@ def load_add_ons(args: argparse.Namespace, buckets) -> list[AddOn]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-    from sse_starlette.sse import AppStatus
-
     from bucketserve.buckets import ConfigError
     from bucketserve.engine.core_client import CoreStartError
-    from bucketserve.server.context import ServerContext
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from installed packages only
+    if args.api_workers > 1:
+        from bucketserve.server.workers import serve_workers
+
+        return serve_workers(args)
     try:
         engine, buckets = load_engine(args)
     except (ConfigError, FileNotFoundError, ValueError, CoreStartError) as exc:
@@ -152,6 +168,18 @@ def serve(args: argparse.Namespace) -> int:
         from bucketserve.kernels.cpu_threads import apply_frontend_layout
 
         apply_frontend_layout()  # BUCKETSERVE_CPU_AFFINITY; the core pinned itself
+    return run_http(args, engine, add_ons)
+
+
+def run_http(args: argparse.Namespace, engine, add_ons: list[AddOn],
+             sockets: list | None = None) -> int:
+    """Serves the app over `engine` until SIGTERM / SIGINT (0) or the engine's death (1).
+    `sockets`: already bound listening sockets (the --api-workers processes), else
+    --host / --port."""
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    from bucketserve.server.context import ServerContext
 
     ctx = ServerContext(engine, shutdown_timeout_s=args.shutdown_timeout)
     if args.request_log:
@@ -187,7 +215,7 @@ def serve(args: argparse.Namespace) -> int:
     server = Server(config)
     # The engine core died: stop serving (a supervisor restarts us), exit non-zero.
     engine.on_dead.append(lambda: setattr(server, "should_exit", True))
-    server.run()
+    server.run(sockets=sockets)
     if engine.dead_reason is not None or engine_failed:
         log.error("exiting with status 1: the engine stopped (%s)",
                   engine.dead_reason or "by itself")

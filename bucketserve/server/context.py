@@ -21,6 +21,8 @@ class ServerContext:
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(lambda: self.engine.stats)
+        if self.metrics.shared is not None:  # one of several front ends: count across them
+            self.engine.stats.on_finished = self.metrics.count_finished
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
 
     @property

@@ -19,7 +19,7 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from bucketserve.engine.admission import RequestError
-from bucketserve.engine.async_engine import AsyncEngine, EngineDeadError
+from bucketserve.engine.async_engine import AsyncEngine, EngineDeadError, StalledStreamError
 from bucketserve.engine.outputs import QueueFullError, RequestOutput
 from bucketserve.engine.sequence import SamplingError, SamplingParams
 from bucketserve.server.errors import APIError, invalid_request, overloaded
@@ -73,7 +73,7 @@ def engine_error(exc: BaseException) -> APIError | None:
         return invalid_request(str(exc), exc.param)
     if isinstance(exc, SamplingError):
         return invalid_request(str(exc), exc.param)
-    if isinstance(exc, StalledConsumer):
+    if isinstance(exc, (StalledConsumer, StalledStreamError)):
         return APIError(408, str(exc), "invalid_request_error", code="client_too_slow")
     return None
 
@@ -106,6 +106,10 @@ async def run_choices(
     refusals (queue full, bad request); aborts all unfinished jobs when closed early, and
     when the consumer leaves more than max_buffered_per_choice x len(jobs) outputs untaken."""
     rids = [f"{request_id}-{i}" for i in range(len(jobs))]
+    if len(jobs) == 1:  # the common case, without a merging task between engine and consumer
+        async for item in _run_one(engine, jobs[0], rids[0], priority, inflight, metrics):
+            yield item
+        return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
     finished: set[int] = set()
     max_buffered = max_buffered_per_choice * len(jobs)
@@ -154,6 +158,33 @@ async def run_choices(
         for task in tasks:
             task.cancel()
         inflight.request_ids.difference_update(rids)
+
+
+async def _run_one(engine: AsyncEngine, job: Job, rid: str, priority: int, inflight: InFlight,
+                   metrics: ServerMetrics) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """run_choices for one job: the engine's stream itself (AsyncEngine.generate bounds
+    what it holds for a consumer that stops taking outputs)."""
+    inflight.request_ids.add(rid)
+    done = False
+    outputs = engine.generate(job.prompt_token_ids, job.params, rid, priority)
+    try:
+        async for out in outputs:
+            if out.finished:
+                done = True
+                metrics.observe_finished(out)
+            yield 0, out
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the client-facing error where there is one
+        err = engine_error(exc)
+        if err is None:
+            raise
+        raise err from None
+    finally:
+        if not done:
+            engine.abort(rid)
+        inflight.request_ids.discard(rid)
+        await outputs.aclose()
 
 
 @dataclass

@@ -9,13 +9,21 @@ Two sources:
   arrival, first_scheduled, first_token, finished).
 
 Each app owns its registry (no global state), so several apps can live in one process.
+
+Several front-end processes (`serve --api-workers N`): every one receives every engine
+step's stats (engine/core.py, Router), so the engine series are whole in each and are read
+from the process that answers the scrape. The per-request series (latency histograms and
+finished requests by reason) are each process's own; they are kept in prometheus_client's
+multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by the parent for all workers) and summed
+over the workers at scrape time, so any worker's /metrics shows the whole server.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -37,8 +45,9 @@ _PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15,
 class EngineStatsCollector(Collector):
     """Exports EngineStats.snapshot() as gauges and counters on every scrape."""
 
-    def __init__(self, get_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, get_stats: Callable[[], EngineStats], finished: bool = True) -> None:
         self.get_stats = get_stats
+        self.finished = finished  # False: another collector exports the finished requests
 
     def collect(self) -> Iterator[Metric]:
         snap = self.get_stats().snapshot()
@@ -71,6 +80,8 @@ class EngineStatsCollector(Collector):
             steps.add_metric([kind, str(bucket)], count)
         yield steps
         yield _batch_size_histogram(snap["batch_sizes"])
+        if not self.finished:
+            return
         finished = CounterMetricFamily("bucketserve_request_success",
                                        "Finished engine requests (one per choice) by finish reason.",
                                        labels=["finish_reason"])
@@ -93,24 +104,45 @@ def _batch_size_histogram(counts: dict[tuple[str, int], int]) -> HistogramMetric
     return hist
 
 
+def multiprocess() -> bool:
+    """Whether this process is one of several front ends (`serve --api-workers N`)."""
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
 class ServerMetrics:
     def __init__(self, get_stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(EngineStatsCollector(get_stats))
+        self.shared: CollectorRegistry | None = None
+        own = self.registry
+        if multiprocess():
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            self.shared = CollectorRegistry()
+            MultiProcessCollector(self.shared)
+            own = None  # written to the shared directory, read by MultiProcessCollector
+            finished = Counter("bucketserve_request_success",
+                               "Finished engine requests (one per choice) by finish reason.",
+                               ["finish_reason"], registry=None)
+            self.finished_by_reason = finished
+        self.registry.register(EngineStatsCollector(get_stats, finished=self.shared is None))
         self.ttft = Histogram(
             "bucketserve_time_to_first_token_seconds", "Arrival to first generated token.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry)
+            buckets=_LATENCY_BUCKETS, registry=own)
         self.tpot = Histogram(
             "bucketserve_time_per_output_token_seconds",
             "Mean time between output tokens after the first, per request.",
-            buckets=_PER_TOKEN_BUCKETS, registry=self.registry)
+            buckets=_PER_TOKEN_BUCKETS, registry=own)
         self.e2e = Histogram(
             "bucketserve_e2e_request_latency_seconds", "Arrival to finish.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry)
+            buckets=_LATENCY_BUCKETS, registry=own)
         self.queue_time = Histogram(
             "bucketserve_queue_time_seconds", "Arrival to first scheduled step.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry)
+            buckets=_LATENCY_BUCKETS, registry=own)
         self.request_log: RequestLog | None = None  # `serve --request-log FILE`
+
+    def count_finished(self, reason: str) -> None:
+        """EngineStats.on_finished in multiprocess mode."""
+        self.finished_by_reason.labels(reason).inc()
 
     def observe_finished(self, out: RequestOutput) -> None:
         if self.request_log is not None:
@@ -129,4 +161,7 @@ class ServerMetrics:
                 self.tpot.observe((m["finished"] - m["first_token"]) / (out.num_output_tokens - 1))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        if self.shared is not None:
+            text += generate_latest(self.shared)
+        return text

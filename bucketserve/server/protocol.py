@@ -43,8 +43,16 @@ Float = StrictFloat
 Bool = StrictBool
 
 
+_ID_TAG = ""  # "w<k>-" in front end k of `serve --api-workers N`: ids unique across them
+
+
+def set_worker_id_tag(worker: int) -> None:
+    global _ID_TAG
+    _ID_TAG = f"w{worker}-"
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{_ID_TAG}{uuid.uuid4().hex}"
 
 
 def now() -> int:

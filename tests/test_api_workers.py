@@ -1,0 +1,190 @@
+"""`serve --api-workers N`: several front-end processes, one engine core.
+
+Unit: the core's Router splits each step's outputs by owning front end (one message per
+step per front end, each with its own taken-in count) and only the last Shutdown ends it.
+Live (two workers, the real default model): requests reach both workers and are all served,
+/metrics counts every worker's requests, SIGTERM exits 0; killing the core fails a stream in
+flight with an error event and the whole server exits non-zero with no worker left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+from server_launch import LiveServer, start_server
+from test_engine_process import EXIT_BOUND_S, LONG, core_pid, gone, wait_until
+
+from bucketserve.engine.core import Router
+from bucketserve.engine.messages import AddRequest, SeqOutput, Shutdown, StepOutputs
+from bucketserve.engine.sequence import SamplingParams
+from bucketserve.server.cli import build_parser
+
+KV = "[kv_cache]\ncpu_memory_gib = 0.1\n"
+
+
+def _add(rid: str, client: int) -> AddRequest:
+    return AddRequest(rid, [1, 2], SamplingParams(max_tokens=2), 0, 0.0, client)
+
+
+def test_router_sends_each_front_end_only_its_outputs_every_step() -> None:
+    r = Router(3)
+    for rid, client in (("a", 0), ("b", 2), ("c", 2)):
+        assert r.take(_add(rid, client))
+    step = StepOutputs([SeqOutput("a", [5]), SeqOutput("b", [6]), SeqOutput("c", [7], "length")],
+                       None, 0, 3, 4, 3)
+    parts = r.split(step)
+    assert [[o.request_id for o in p.outputs] for p in parts] == [["a"], [], ["b", "c"]]
+    assert [p.num_added for p in parts] == [1, 0, 2]
+    assert all(p.num_running == 3 and p.kv_blocks_used == 4 for p in parts)
+    assert "c" not in r.owner and r.owner == {"a": 0, "b": 2}  # finished: forgotten
+
+
+def test_router_core_ends_on_the_last_shutdown_only() -> None:
+    r = Router(2)
+    assert not r.take(Shutdown())
+    assert r.take(Shutdown())
+    one = Router(1)
+    assert one.take(Shutdown())
+    step = StepOutputs([SeqOutput("x", [1])], None, 0, 1, 1, 0)
+    assert one.split(step) == [step]
+
+
+def test_api_workers_flag() -> None:
+    parse = build_parser().parse_args
+    assert parse(["serve"]).api_workers == 1
+    assert parse(["serve", "--api-workers", "3"]).api_workers == 3
+    assert 1 <= parse(["serve", "--api-workers", "auto"]).api_workers <= 8
+    with pytest.raises(SystemExit):
+        parse(["serve", "--api-workers", "0"])
+
+
+def test_embeddings_with_several_workers_are_refused(tmp_path) -> None:
+    from server_launch import command
+
+    proc = subprocess.run([*command(), "serve", "--api-workers", "2", "--port", "1"],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 2 and "--embedding-model none" in proc.stderr
+
+
+@pytest.fixture
+def server(tmp_path) -> LiveServer:
+    srv = start_server(tmp_path, "workers", KV, "--api-workers", "2")
+    yield srv
+    if srv.proc.poll() is None:
+        srv.proc.kill()
+        srv.proc.wait()
+
+
+def _workers(server: LiveServer) -> list[psutil.Process]:
+    core = core_pid(server)
+    return [p for p in psutil.Process(server.proc.pid).children()
+            if p.pid != core and "spawn_main" in " ".join(p.cmdline())]  # not the resource tracker
+
+
+def test_two_workers_serve_count_and_stop_cleanly(server) -> None:
+    assert len(_workers(server)) == 2
+    body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
+
+    def one(_: int) -> dict:  # a new connection each: the kernel picks the worker
+        r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, range(24)))
+    ids = [g["id"] for g in got]
+    assert len(set(ids)) == 24
+    assert {i.split("-")[1] for i in ids} == {"w0", "w1"}, ids
+    assert all(g["usage"]["completion_tokens"] == 3 for g in got)
+    values = [server.metric('bucketserve_request_success_total{finish_reason="length"}')
+              for _ in range(6)]  # whichever worker answers, it counts both workers' requests
+    assert values == [24.0] * 6
+    assert server.metric("bucketserve_time_to_first_token_seconds_count") == 24.0
+    assert server.metric("bucketserve_engine_steps_total") > 0
+    workers = _workers(server)
+    core = core_pid(server)
+    assert server.stop() == 0, server.log()
+    assert all(gone(p.pid) for p in workers) and gone(core)
+
+
+def test_killing_the_core_fails_streams_and_the_server_exits_non_zero(server) -> None:
+    pid = core_pid(server)
+    workers = _workers(server)
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=LONG, timeout=120) as resp:
+        lines = resp.iter_lines()
+        first = next(ln for ln in lines if ln.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["text"] is not None
+        os.kill(pid, signal.SIGKILL)
+        rest = [ln[6:] for ln in lines if ln.startswith("data: ")]
+    assert rest[-1] == "[DONE]"
+    assert json.loads(rest[-2])["error"]["code"] == "engine_dead"
+    try:
+        code = server.proc.wait(EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server did not exit after its core died:\n{server.log()}")
+    assert code != 0
+    assert wait_until(lambda: all(gone(p.pid) for p in workers), EXIT_BOUND_S)
+    assert "engine core died" in server.log()
+
+
+def test_one_choice_stream_that_is_not_read_is_bounded_and_aborted(monkeypatch) -> None:
+    """The single-choice path has no merging task: AsyncEngine itself bounds what it holds
+    for a consumer that stops reading, aborts the request and ends the stream with 408."""
+    import asyncio
+
+    from bucketserve.engine import async_engine
+    from bucketserve.engine.async_engine import AsyncEngine
+    from bucketserve.engine.messages import AbortRequests, RequestLimits
+    from bucketserve.engine.stats import EngineStats
+    from bucketserve.server.errors import APIError
+    from bucketserve.server.generation import InFlight, Job, run_choices
+    from bucketserve.server.metrics import ServerMetrics
+
+    monkeypatch.setattr(async_engine, "MAX_QUEUED_OUTPUTS", 5)
+
+    class Core:
+        model_name, kv_blocks_total, tokenizer = "m", 100, None
+        limits = RequestLimits(100, 1000, 100, 16, 100, 60.0)
+
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def start(self, deliver, died) -> None:
+            pass
+
+        def send(self, msg) -> None:
+            self.sent.append(msg)
+
+        def is_alive(self) -> bool:
+            return True
+
+    async def scenario() -> None:
+        core = Core()
+        engine = AsyncEngine(core)
+        engine.start()
+        job = Job([1, 2], SamplingParams(max_tokens=50, detokenize=False))
+        outputs = run_choices(engine, [job], "slow", 0, InFlight(),
+                              ServerMetrics(lambda: EngineStats()))
+        first = asyncio.ensure_future(anext(outputs))
+        await asyncio.sleep(0)
+        engine._on_step(StepOutputs([SeqOutput("slow-0", [7])], None, 0, 1, 1, 1))
+        assert (await first)[1].new_token_ids == [7]
+        for t in range(10):  # the consumer is stuck meanwhile
+            engine._on_step(StepOutputs([SeqOutput("slow-0", [t])], None, 0, 1, 1, 1))
+        assert any(isinstance(m, AbortRequests) and m.request_ids == ["slow-0"]
+                   for m in core.sent)
+        got = []
+        with pytest.raises(APIError) as err:
+            async for _, out in outputs:
+                got += out.new_token_ids
+        assert err.value.status == 408 and err.value.code == "client_too_slow"
+        assert got == list(range(6))  # what was held (merged into one output), then the error
+
+    asyncio.run(scenario())
