@@ -437,6 +437,10 @@ def test_metrics_exposes_every_required_series(server, client, model) -> None:
     assert any(n.startswith("bucketserve_bucket_steps_total{") and 'kind="' in n and 'bucket="' in n
                for n in names)
     assert any(n.startswith("bucketserve_request_success_total{finish_reason=") for n in names)
+    per_kind = {n: v for n, v in server.metrics().items()
+                if n.startswith("bucketserve_step_computed_tokens_total{kind=")}
+    assert per_kind and sum(per_kind.values()) == server.metric("bucketserve_computed_tokens_total")
+    assert any(n.startswith("bucketserve_step_padding_tokens_total{kind=") for n in names)
     for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds",
                  "e2e_request_latency_seconds", "queue_time_seconds"):
         assert f"# TYPE bucketserve_{hist} histogram" in text

@@ -79,6 +79,16 @@ class EngineStatsCollector(Collector):
         for (kind, bucket), count in sorted(snap["bucket_steps"].items()):
             steps.add_metric([kind, str(bucket)], count)
         yield steps
+        for name, key, doc in (
+            ("bucketserve_step_computed_tokens", "kind_computed_tokens",
+             "Tokens run through the model per step kind, padding of compiled shapes included."),
+            ("bucketserve_step_padding_tokens", "kind_padding_tokens",
+             "Padding tokens of compiled shapes (graph sizes above the step's real tokens) per step kind."),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["kind"])
+            for kind, count in sorted(snap.get(key, {}).items()):
+                family.add_metric([kind], count)
+            yield family
         yield _batch_size_histogram(snap["batch_sizes"])
         if not self.finished:
             return
