@@ -444,35 +444,15 @@ def markdown_table(r: dict) -> str:
 
 
 def run_hf_static_dir(requests, hf_dir: str, batch_size: int) -> dict:
-    """bench/offline_throughput.run_hf_static on the HF directory both systems load."""
+    """bench/offline_throughput.time_hf_static on the HF directory both systems load."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    pad = 0
-    computed = useful = 0
-    t0 = time.perf_counter()
-    for start in range(0, len(requests), batch_size):
-        chunk = requests[start:start + batch_size]
-        longest = max(len(ids) for ids, _ in chunk)
-        max_new = max(m for _, m in chunk)
-        input_ids = torch.full((len(chunk), longest), pad, dtype=torch.long)
-        mask = torch.zeros((len(chunk), longest), dtype=torch.long)
-        for i, (ids, _) in enumerate(chunk):
-            input_ids[i, longest - len(ids):] = torch.tensor(ids)
-            mask[i, longest - len(ids):] = 1
-        with torch.inference_mode():
-            model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new,
-                           min_new_tokens=max_new, do_sample=False, eos_token_id=None,
-                           pad_token_id=pad)
-        computed += len(chunk) * (longest + max_new)
-        useful += sum(len(ids) + m for ids, m in chunk)
-    elapsed = time.perf_counter() - t0
-    n_out = sum(m for _, m in requests)
-    return {"system": f"transformers static generate (batch {batch_size}, left padding)",
-            "seconds": round(elapsed, 2), "output_tokens": n_out,
-            "output_tokens_per_s": round(n_out / elapsed, 1),
-            "padding_waste": round(1 - useful / computed, 4)}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from offline_throughput import time_hf_static
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    return time_hf_static(model, requests, batch_size)
 
 
 if __name__ == "__main__":

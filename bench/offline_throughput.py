@@ -136,6 +136,12 @@ def run_hf_static(requests, batch_size: int) -> dict:
     path = Path(entry.path)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                  dtype=torch.float32)
+    return time_hf_static(model, requests, batch_size)
+
+
+def time_hf_static(model, requests, batch_size: int) -> dict:
+    """transformers static batching: batches of `batch_size` requests in arrival order, left
+    padded to the longest prompt, every row generating the batch's largest max_tokens."""
     model.eval()
     pad = 0
     computed = useful = 0
