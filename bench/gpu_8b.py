@@ -62,6 +62,11 @@ MODES = {
               '1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192, 9216, 10240, 11264, 12288, 13312, '
               '14336, 15360, 16384]\n'
               "[decode]\nbatch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]\n",
+    # the new piecewise sizes with the old decode graphs, and the old piecewise sizes with the new
+    # decode graphs (to tell which of the two changes moves a shape's throughput)
+    "legacy_dec": "[decode]\nbatch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]\n",
+    "legacy_pw": '[prefill]\npiecewise_choice = "pad"\npiecewise_sizes = [16, 32, 64, 128, 256, 512, '
+                 '1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192]\n',
     "nopiece": None,  # decode graphs only: prefill and mixed steps eager
     "run512": "[scheduler]\nmax_running = 512\n",  # twice the running set
 }
@@ -113,9 +118,13 @@ def run_generate(engine: LLMEngine, reqs, repeats: int) -> dict:
               for _, t in reqs]
     prompts = [p for p, _ in reqs]
     engine.generate(prompts[:16], params[:16])  # warm-up, as the vLLM peer does
-    rates, kinds = [], []
+    rates, kinds, host = [], [], []
+    runner = engine.runner
     for _ in range(repeats):
         n0, snap = engine.stats.num_steps, engine.stats.snapshot()
+        t_before = dict(runner.step_timing)
+        c_before = (runner.num_graph_steps, runner.num_piecewise_steps,
+                    runner.num_cost_eager_steps)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = engine.generate(prompts, params)
@@ -125,10 +134,19 @@ def run_generate(engine: LLMEngine, reqs, repeats: int) -> dict:
         assert ntok == sum(t for _, t in reqs), (ntok, sum(t for _, t in reqs))
         rates.append(ntok / dt)
         kinds.append(kinds_since(engine, n0, snap))
+        # host seconds in the runner's launch (inputs, forward launches, sampling launches) and
+        # how the steps ran: decode graphs, piecewise graphs, eager by the cost model
+        h = {k: round(runner.step_timing[k] - t_before[k], 4) for k in t_before}
+        c_after = (runner.num_graph_steps, runner.num_piecewise_steps,
+                   runner.num_cost_eager_steps)
+        names = ("graph_steps", "piecewise_steps", "cost_eager_steps")
+        h.update(wall_s=round(dt, 4),
+                 **{k: a - b for k, a, b in zip(names, c_after, c_before, strict=True)})
+        host.append(h)
     med = sorted(range(repeats), key=rates.__getitem__)[repeats // 2]
     computed = sum(k["computed"] for k in kinds[med].values())
     padding = sum(k["padding"] for k in kinds[med].values())
-    return dict(out_tok_s=rates[med], all_out_tok_s=rates, step_kinds=kinds[med],
+    return dict(out_tok_s=rates[med], all_out_tok_s=rates, step_kinds=kinds[med], host=host,
                 padding_share=padding / computed if computed else 0.0,
                 generated_tokens=sum(t for _, t in reqs))
 
@@ -498,7 +516,12 @@ def main() -> None:
         print(f"{r['model']:13s} {r['requests']:5d} {r['budget']:6d} {r['mode']:8s} "
               f"{r['out_tok_s']:10.0f} {vt:11.0f} {r['out_tok_s'] / vt:6.2f} "
               f"{r['padding_share']:7.1%}  eager from "
-              f"{r.get('cost_model', {}).get('eager_from')} tokens")
+              f"{r.get('cost_model', {}).get('eager_from')} tokens; runs "
+              f"{[round(x) for x in r['all_out_tok_s']]}")
+        for k, v in r["step_kinds"].items():
+            print(f"    {k:8s} steps {v['steps']:5d} s {v['seconds']:7.3f} computed {v['computed']:8d}"
+                  f" padding {v['padding_share']:6.1%}")
+        print("    host", r["host"][len(r["host"]) // 2])
     for s in RES["step_times"]:
         print(f"decode {s['model']} batch {s['batch']}: {s['step_ms']:.2f} ms, byte floor "
               f"{s['bound_ms']:.2f} ms, {s['ratio']:.2f}x")
