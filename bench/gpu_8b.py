@@ -84,9 +84,12 @@ def make_engine(shape: str, budget: str, mode: str, tmp: str) -> LLMEngine:
     model = build_dummy_model(cfg, "cuda", torch.bfloat16, seed=0)
     loaded = LoadedModel(model, gt.word_tokenizer(cfg.vocab_size), cfg, shape, gt.MAX_MODEL_LEN)
     text = MODES.get(mode) or ""
+    # The timed runs repeat the same prompts: with prefix caching on, every run after the first
+    # would skip most of its prefill (vLLM runs with APC=0 for the same reason).
     if budget != "auto":
         text += ("" if "[scheduler]" in text else "[scheduler]\n")
         text += f"max_batched_tokens = {int(budget)}\n"
+    text += "[kv_cache]\nprefix_caching = false\n"
     path = None
     if text:
         path = Path(tmp) / f"buckets_{mode}_{budget}.toml"
