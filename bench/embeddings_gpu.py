@@ -593,8 +593,13 @@ def online(args: argparse.Namespace) -> dict:
         # warm-up: a few seconds of the heavier shape
         online_round(base_url, model, texts, 16, 32, 3.0, args.procs, args.encoding)
         for clients, per in ((64, 1), (16, 32)):
-            r = online_round(base_url, model, texts, clients, per, args.seconds, args.procs,
-                             args.encoding)
+            # `--rounds` timed rounds per shape; the round of median throughput is reported,
+            # with every round's texts/s beside it
+            rounds = [online_round(base_url, model, texts, clients, per, args.seconds,
+                                   args.procs, args.encoding) for _ in range(args.rounds)]
+            rounds.sort(key=lambda x: x["texts_per_s"])
+            r = dict(rounds[len(rounds) // 2], rounds=len(rounds),
+                     all_texts_per_s=[x["texts_per_s"] for x in rounds])
             results[f"{clients}x{per}"] = r
             print(json.dumps(r), flush=True)
         return results
@@ -636,6 +641,8 @@ def main() -> None:
     p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                    help="online --launch: extra arguments for bucketserve serve")
     p.add_argument("--seconds", type=float, default=10.0, help="online: seconds per round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="online: timed rounds per shape (the median round is reported)")
     p.add_argument("--procs", type=int, default=4, help="online: client processes")
     p.add_argument("--encoding", default="base64", choices=("base64", "float"))
     p.add_argument("--json", default=None, help="also write the result here")

@@ -15,12 +15,12 @@
 # VLLM_SITE: vLLM 0.25.1 and its server's dependencies (pip install --target); given to vLLM's
 #   processes only. SITE (default VLLM_SITE): fastapi / uvicorn / sse-starlette for bucketserve's server.
 # Everything is written under WORK (/tmp/emb_work); OUT gets emb_summary.json / .txt and all of WORK
-# as emb_all.tgz (the device tool brings back at most 8 files). SKIP_VLLM=1 skips vLLM; SKIP_ST=1 sentence-transformers; N (20000), ROUND_S (10) seconds per online round;
+# as emb_all.tgz (the device tool brings back at most 8 files). SKIP_VLLM=1 skips vLLM; SKIP_ST=1 sentence-transformers; N (20000), ROUND_S (5) seconds per online round (3 rounds per shape, the median reported);
 # PARTS ("offline shapes online"): the parts to run (the summary reads every part's JSON in WORK, so
 # two calls on one machine, e.g. PARTS="offline shapes" then PARTS=online, give one table);
 # DTYPE float16; ST_BATCHES (32,128,512); REPEATS (3) timed offline runs per system.
 set -u
-ROOT=$(pwd); DEST=${OUT:-/tmp/emb}; OUT=${WORK:-/tmp/emb_work}; N=${N:-20000}; SECONDS_PER=${ROUND_S:-10}; DTYPE=${DTYPE:-float16}
+ROOT=$(pwd); DEST=${OUT:-/tmp/emb}; OUT=${WORK:-/tmp/emb_work}; N=${N:-20000}; SECONDS_PER=${ROUND_S:-5}; DTYPE=${DTYPE:-float16}
 SITE=${SITE:-${VLLM_SITE:-}}; M=/tmp/model-smollm2-135m-emb
 mkdir -p "$OUT" "$DEST"; export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 EMB_MODEL_DIR
 export PYTHONPATH="$ROOT${SITE:+:$SITE}"
