@@ -44,6 +44,8 @@ from bucketserve.engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger("bucketserve.core")
 
+# benchmarks only: the core process profiles its loop with cProfile into this file
+PROFILE_ENV = "BUCKETSERVE_CORE_PROFILE"
 IDLE_WAIT_S = 0.1  # how long an idle core waits for input before it checks on its parent
 
 
@@ -279,6 +281,13 @@ def run_core_process(cfg: CoreConfig) -> None:
                 apply_engine_layout()
             engine = build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path, cfg.nvtx)
             from bucketserve.engine.fake_core import FakeCore, fake_step_s
+            from bucketserve.engine.fake_runner import fake_runner_step_s, install
+
+            runner_s = fake_runner_step_s()  # host-overhead benchmarks only (fake_runner.py)
+            if runner_s is not None:
+                install(engine, runner_s)
+                log.warning("FAKE RUNNER (%s): no model forward, made-up token ids, %.1f ms "
+                            "steps", "BUCKETSERVE_FAKE_RUNNER", runner_s * 1e3)
 
             step_s = fake_step_s()  # front-end benchmarks only (engine/fake_core.py)
             core = EngineCore(engine) if step_s is None else FakeCore(engine, step_s)
@@ -304,7 +313,17 @@ def run_core_process(cfg: CoreConfig) -> None:
             for outbox, part in zip(outboxes, router.split(msg), strict=True):
                 outbox.send(out_enc.encode(part), copy=False)
 
-        run_core_loop(core, receive, send, parent_alive)
+        profile_path = os.environ.get(PROFILE_ENV)  # benchmarks only: cProfile of the loop
+        if profile_path:
+            import cProfile
+
+            prof = cProfile.Profile()
+            try:
+                prof.runcall(run_core_loop, core, receive, send, parent_alive)
+            finally:
+                prof.dump_stats(profile_path)
+        else:
+            run_core_loop(core, receive, send, parent_alive)
         if not parent_alive():
             log.warning("the front end is gone: engine core exits")
     except BaseException as exc:  # noqa: BLE001 - reported to the front end, then exit 1
