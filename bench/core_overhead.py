@@ -77,7 +77,7 @@ def offline_child(a: argparse.Namespace) -> None:
 
     reqs = generate(a.num_requests, a.prompt_len, a.output_len, seed=a.seed, prompt_kind="ids")
     engine = LLMEngine.from_names(a.model, buckets_path=a.buckets, device="cpu")
-    install(engine, 0.0)
+    install(engine, a.step_s)
     prompts = [r.prompt for r in reqs]
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
                              detokenize=False) for r in reqs]
@@ -88,6 +88,7 @@ def offline_child(a: argparse.Namespace) -> None:
 
         prof = cProfile.Profile()
     s0, tok0 = engine.stats.num_steps, engine.stats.computed_tokens_total
+    steps0 = dict(engine.stats.bucket_steps)
     c0, t0 = time.process_time(), time.perf_counter()
     if prof is not None:
         prof.enable()
@@ -98,26 +99,33 @@ def offline_child(a: argparse.Namespace) -> None:
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     steps = engine.stats.num_steps - s0
     ntok = sum(len(o.token_ids) for o in outs)
+    kinds: dict[str, int] = {}
+    for (kind, b), n in engine.stats.bucket_steps.items():
+        kinds[kind] = kinds.get(kind, 0) + n - steps0.get((kind, b), 0)
     print(json.dumps({"steps": steps, "wall_s": wall, "cpu_s": cpu, "output_tokens": ntok,
-                      "computed_tokens": engine.stats.computed_tokens_total - tok0}))
+                      "computed_tokens": engine.stats.computed_tokens_total - tok0,
+                      "kinds": kinds}))
 
 
-def run_offline(path: str, a: argparse.Namespace, buckets: str, profile: str | None) -> dict:
+def run_offline(path: str, a: argparse.Namespace, buckets: str, profile: str | None,
+                step_s: float = 0.0) -> dict:
     cmd = [sys.executable, __file__, "--offline-child", "--buckets", buckets, "--model", a.model,
-           *workload_args(a)]
+           "--step-s", str(step_s), *workload_args(a)]
     if profile:
         cmd += ["--offline-profile", profile]
     env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1")
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
     if p.returncode != 0:
         raise RuntimeError(f"offline run failed:\n{p.stderr[-3000:]}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    return summarize(r["steps"], r["cpu_s"], r["wall_s"], r["output_tokens"], r["computed_tokens"])
+    return summarize(r["steps"], r["cpu_s"], r["wall_s"], r["output_tokens"], r["computed_tokens"],
+                     r["kinds"])
 
 
 def summarize(steps: int, cpu_s: float, wall_s: float, out_tokens: float,
-              computed: float) -> dict:
+              computed: float, kinds: dict[str, float]) -> dict:
     return {"steps": steps, "cpu_s": cpu_s, "wall_s": wall_s, "output_tokens": out_tokens,
+            "steps_by_kind": {k: int(v) for k, v in sorted(kinds.items())},
             "host_us_per_step": 1e6 * cpu_s / steps, "steps_per_s": steps / wall_s,
             "host_us_per_token": 1e6 * cpu_s / max(out_tokens, 1),
             "mean_tokens_per_step": computed / steps, "loadavg": os.getloadavg()}
@@ -154,7 +162,9 @@ def run_served(path: str, a: argparse.Namespace, buckets: str, workers: int, tmp
     cmd = [sys.executable, "-c", "import sys; from bucketserve.server.cli import main; "
            "sys.exit(main())", "serve", "--port", str(port), "--buckets", buckets,
            "--model", a.model, "--embedding-model", "none", "--api-workers", str(workers)]
-    proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    # cwd: not a checkout (`python -c` / `-m` put the cwd first on sys.path, before PYTHONPATH)
+    proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                            cwd=tmp)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -174,26 +184,46 @@ def run_served(path: str, a: argparse.Namespace, buckets: str, workers: int, tmp
             t = core.cpu_times()
             return t.user + t.system
 
+        def core_threads() -> dict[str, float]:
+            """CPU s of the core's main thread (the loop) and of its other threads (ZeroMQ's
+            I/O thread, torch's pools), user + system."""
+            main = other = 0.0
+            for th in core.threads():
+                if th.id == core.pid:
+                    main += th.user_time + th.system_time
+                else:
+                    other += th.user_time + th.system_time
+            return {"main": main, "other": other}
+
         def steps() -> tuple[float, float]:
             text = httpx.get(base + "/metrics", timeout=10).text
+            kinds: dict[str, float] = {}
+            for m in re.finditer(r'^bucketserve_bucket_steps_total\{[^}]*kind="(\w+)"[^}]*\} '
+                                 r'([0-9.e+]+)$', text, re.M):
+                kinds[m.group(1)] = kinds.get(m.group(1), 0) + float(m.group(2))
             return (metric(text, "bucketserve_engine_steps_total"),
-                    metric(text, "bucketserve_computed_tokens_total"))
+                    metric(text, "bucketserve_computed_tokens_total"), kinds)
 
         bench = [sys.executable, "-m", "bucketserve.bench", "bench", "--base-url", base,
                  "--concurrency", str(a.streams), "--workers", str(a.client_workers)]
         subprocess.run([*bench, *workload_args(a), "--limit", "64"], env=env, check=True,
-                       capture_output=True)  # warm-up
-        s0, k0 = steps()
+                       capture_output=True, cwd=tmp)  # warm-up
+        s0, k0, kinds0 = steps()
+        th0 = core_threads()
         c0, t0 = core_cpu(), time.perf_counter()
         out = Path(tmp) / f"bench_{port}.json"
         p = subprocess.run([*bench, *workload_args(a), "--out", str(out)], env=env,
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, cwd=tmp)
         wall, cpu = time.perf_counter() - t0, core_cpu() - c0
         if p.returncode != 0:
             raise RuntimeError(f"bench failed:\n{p.stderr[-3000:]}")
-        s1, k1 = steps()
+        th1 = core_threads()
+        s1, k1, kinds1 = steps()
         r = json.loads(out.read_text())
-        res = summarize(int(s1 - s0), cpu, wall, r["output_throughput"] * r["duration_s"], k1 - k0)
+        res = summarize(int(s1 - s0), cpu, wall, r["output_throughput"] * r["duration_s"], k1 - k0,
+                        {k: kinds1[k] - kinds0.get(k, 0) for k in kinds1})
+        res["core_main_thread_cpu_s"] = th1["main"] - th0["main"]
+        res["core_other_threads_cpu_s"] = th1["other"] - th0["other"]
         res.update(output_tok_s=r["output_throughput"], errors=r["errors"],
                    itl_p50_ms=r["itl_ms"]["p50"], ttft_p50_ms=r["ttft_ms"]["p50"])
         return res
@@ -237,6 +267,7 @@ def main() -> int:
     ap.add_argument("--offline-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prompt-kind", default="ids", help=argparse.SUPPRESS)
     ap.add_argument("--offline-profile", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--step-s", type=float, default=0.0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.offline_child:
         offline_child(a)
@@ -251,14 +282,20 @@ def main() -> int:
         Path(buckets).write_text(BUCKETS)
         for rnd in range(a.rounds):
             for name, path in codes:
-                kinds = [("offline", None)] + ([] if a.skip_served else
-                                               [(f"served_w{w}", w) for w in workers])
+                # offline twice: at host speed, and with the served runs' fake device step
+                # (each step then waits as a served step does, with the same cold caches)
+                kinds = [("offline", None), ("offline_dev", 0)] + (
+                    [] if a.skip_served else [(f"served_w{w}", w) for w in workers])
                 for kind, w in kinds:
-                    r = (run_offline(path, a, buckets, None) if w is None
-                         else run_served(path, a, buckets, w, tmp, None))
+                    r = (run_offline(path, a, buckets, None, 0.0 if w is None else a.served_step_s)
+                         if not w else run_served(path, a, buckets, w, tmp, None))
                     runs[name].setdefault(kind, []).append(r)
                     extra = (f"  {r['output_tok_s']:8,.0f} tok/s ITL p50 {r['itl_p50_ms']:.1f} ms"
-                             if w else "")
+                             f"  core loop thread {1e6 * r['core_main_thread_cpu_s'] / r['steps']:.0f}"
+                             f" us/step, other threads "
+                             f"{1e6 * r['core_other_threads_cpu_s'] / r['steps']:.0f}"
+                             if "core_main_thread_cpu_s" in r else "")
+                    extra += f"  {r['steps_by_kind']}"
                     print(f"round {rnd} {name:>8} {kind:>10}: {r['host_us_per_step']:7.0f} host "
                           f"us/step  {r['host_us_per_token']:5.2f} us/token  "
                           f"{r['mean_tokens_per_step']:6.1f} tokens/step  {r['steps']:5d} steps  "
@@ -285,9 +322,12 @@ def main() -> int:
                                  r["mean_tokens_per_step"] for r in rs)}
                          for k, rs in kinds.items()}
         off = summary[name].get("offline", {}).get("host_us_per_step_median")
+        dev = summary[name].get("offline_dev", {}).get("host_us_per_step_median")
         for k, v in summary[name].items():
             if off and k != "offline":
                 v["vs_offline_per_step"] = v["host_us_per_step_median"] / off
+            if dev and k.startswith("served"):
+                v["vs_offline_dev_per_step"] = v["host_us_per_step_median"] / dev
     print(json.dumps(summary, indent=1))
     if a.out:
         with open(a.out, "w") as f:

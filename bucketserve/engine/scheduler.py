@@ -41,6 +41,7 @@ certainly its last (max_tokens, context length) is not scheduled again.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 
@@ -105,8 +106,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
-        self.waiting.sort(key=self.rank)
+        # after every sequence of equal rank, as a stable sort of the appended list would
+        bisect.insort_right(self.waiting, seq, key=self.rank)
 
     def abort(self, request_id: str) -> None:
         """Marks a request for removal at the next step boundary."""
@@ -144,6 +145,7 @@ class Scheduler:
         preempted = 0
 
         running_status = SequenceStatus.RUNNING
+        bs = self.blocks.block_size
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -152,7 +154,13 @@ class Scheduler:
             total = len(seq.token_ids) + seq.num_pending
             if seq.num_pending and self._length_done(seq, total):
                 continue  # its pending token is its last: it finishes when that arrives
-            n = min(total - seq.num_computed_tokens, budget, self.max_prefill_tokens)
+            computed = seq.num_computed_tokens
+            n = total - computed
+            if n == 1 and computed < len(seq.block_table) * bs:
+                chosen[id(seq)] = 1  # a decode in its last block: nothing to allocate
+                budget -= 1
+                continue
+            n = min(n, budget, self.max_prefill_tokens)
             while not self.blocks.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -223,9 +231,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
                 seq.prefill_bucket = bucket
-            self.running.append(seq)
-        if admitted:
-            self.running.sort(key=self.rank)
+            bisect.insort_right(self.running, seq, key=self.rank)
         return budget
 
     def _build_batch(self, chosen: dict[int, int], preempted: int, left: list[Sequence]) -> ScheduledBatch:
