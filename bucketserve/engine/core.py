@@ -114,9 +114,7 @@ class EngineCore:
         tokens: list[int] = []
         if engine.has_unfinished():
             steps = engine.stats.num_steps
-            add_news = engine.outputs.add_news
-            for seq, error in engine.step_news():
-                add_news(seq, error, outputs, rids, tokens)
+            engine.outputs.add_news(engine.step_news(), outputs, rids, tokens)
             if engine.stats.num_steps != steps:
                 stats = engine.stats.recent[-1]
         sched, bm = engine.scheduler, engine.block_manager

@@ -124,21 +124,23 @@ class OutputProcessor:
                 "first_token": seq.first_token_time or 0.0})
         return SeqOutput(rid, new, None, lps)
 
-    def add_news(self, seq: Sequence, error: str | None, outputs: list[SeqOutput],
+    def add_news(self, news: list[tuple[Sequence, str | None]], outputs: list[SeqOutput],
                  request_ids: list[str], tokens: list[int]) -> None:
-        """The engine core's StepOutputs for one sequence: one plain new token (not the
-        first, not the last, no logprobs) goes to the columns `request_ids` / `tokens`,
-        anything else to `outputs` as a `seq_output`."""
-        state = self.states[seq.request_id]
-        sent = state.num_sent_tokens
-        if (sent and state.detok is None and seq.status is not _FINISHED
-                and seq.params.logprobs is None
-                and len(seq.token_ids) - seq.num_prompt_tokens == sent + 1):
-            state.num_sent_tokens = sent + 1
-            request_ids.append(seq.request_id)
-            tokens.append(seq.token_ids[-1])
-        else:
-            outputs.append(self.seq_output(seq, error))
+        """The engine core's StepOutputs for a step's news (LLMEngine.step_news): a plain new
+        token (not the first, not the last, no logprobs) goes to the columns `request_ids` /
+        `tokens`, anything else to `outputs` as a `seq_output`."""
+        states = self.states
+        for seq, error in news:
+            state = states[seq.request_id]
+            sent = state.num_sent_tokens
+            if (sent and state.detok is None and seq.status is not _FINISHED
+                    and seq.params.logprobs is None
+                    and len(seq.token_ids) - seq.num_prompt_tokens == sent + 1):
+                state.num_sent_tokens = sent + 1
+                request_ids.append(seq.request_id)
+                tokens.append(seq.token_ids[-1])
+            else:
+                outputs.append(self.seq_output(seq, error))
 
     @staticmethod
     def _final_metrics(seq: Sequence) -> dict[str, float]:
