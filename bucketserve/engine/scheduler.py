@@ -147,15 +147,18 @@ class Scheduler:
         preempted = 0
 
         running_status = SequenceStatus.RUNNING
-        bs = self.blocks.block_size
+        bs, max_len = self.blocks.block_size, self.max_model_len
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not running_status:
                 continue  # preempted earlier in this loop
             total = len(seq.token_ids) + seq.num_pending
-            if seq.num_pending and self._length_done(seq, total):
-                continue  # its pending token is its last: it finishes when that arrives
+            # its pending token is its last (_length_done, inline): it finishes when that
+            # arrives
+            if seq.num_pending and (total - seq.num_prompt_tokens >= seq.params.max_tokens
+                                    or total >= max_len):
+                continue
             computed = seq.num_computed_tokens
             n = total - computed
             if n == 1 and computed < len(seq.block_table) * bs:
