@@ -38,6 +38,15 @@ def message(n: int, logprobs: bool) -> StepOutputs:
     return StepOutputs(outs, stats, 0, n, 4 * n, n)
 
 
+def message_columns(n: int) -> StepOutputs:
+    """The same step as `message(n, False)` as the core now sends it: the plain one-token
+    news in the two columns (token_request_ids, tokens) instead of a SeqOutput each."""
+    stats = StepStats("decode", n, n, 0, n, n, n, 4 * n, 4096, 0, 0, n, 0.012)
+    return StepOutputs([], stats, 0, n, 4 * n, n,
+                       token_request_ids=[f"cmpl-{i:032x}-0" for i in range(n)],
+                       tokens=[1000 + i for i in range(n)])
+
+
 def per_call_us(fn, reps: int) -> float:
     fn()
     t0 = time.perf_counter()
@@ -95,6 +104,19 @@ def main() -> int:
             row["zmq_ipc_transfer_us"] = round(zmq_transfer_us(enc.encode(msg), args.reps), 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    # records vs columns for the plain news, msgspec msgpack; building the message included
+    # (the core builds one per step): what StepOutputs' columns save
+    enc, dec = output_codec()
+    for n in (16, 256):
+        row = {"seqs": n, "build_encode_decode_us": {
+            "records": round(per_call_us(lambda n=n: dec.decode(enc.encode(message(n, False))),
+                                         args.reps), 1),
+            "columns": round(per_call_us(lambda n=n: dec.decode(enc.encode(message_columns(n))),
+                                         args.reps), 1)},
+            "bytes": {"records": len(enc.encode(message(n, False))),
+                      "columns": len(enc.encode(message_columns(n)))}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     result = {"cpu": _cpu(), "loadavg_1m": os.getloadavg()[0], "rows": rows}
     if args.out:
         with open(args.out, "w") as f:

@@ -43,6 +43,14 @@ def test_router_sends_each_front_end_only_its_outputs_every_step() -> None:
     assert [p.num_added for p in parts] == [1, 0, 2]
     assert all(p.num_running == 3 and p.kv_blocks_used == 4 for p in parts)
     assert "c" not in r.owner and r.owner == {"a": 0, "b": 2}  # finished: forgotten
+    # the plain one-token columns are split the same way, in order
+    r.take(_add("d", 1))
+    step = StepOutputs([], None, 0, 3, 4, 4, token_request_ids=["b", "a", "d"], tokens=[8, 9, 10])
+    parts = r.split(step)
+    assert [(p.token_request_ids, p.tokens) for p in parts] == [
+        (["a"], [9]), (["d"], [10]), (["b"], [8])]
+    assert [[(o.request_id, o.new_token_ids) for o in p.news()] for p in parts] == [
+        [("a", [9])], [("d", [10])], [("b", [8])]]
 
 
 def test_router_core_ends_on_the_last_shutdown_only() -> None:

@@ -72,14 +72,19 @@ def test_core_sends_one_message_per_step_holding_every_sequence(loaded, tmp_path
     # message without a step of its own brings the final step's tokens.
     assert len(sent) == len(steps) + overlap and (sent[-1].stats is None) == overlap
     tokens: dict[str, list[int]] = {a.request_id: [] for a in adds}
+    plain = 0
     for k, m in enumerate(sent):
-        rids = [o.request_id for o in m.outputs]
+        news = m.news()
+        plain += len(m.tokens)
+        rids = [o.request_id for o in news]
         assert len(rids) == len(set(rids)), "one entry per sequence per message"
         ran = sent[k - overlap].stats if k >= overlap else None  # the step these tokens are of
         if ran is not None and ran.kind == "decode":
-            assert len(m.outputs) == ran.num_seqs
-        for o in m.outputs:
+            assert len(news) == ran.num_seqs
+        for o in news:
             tokens[o.request_id] += o.new_token_ids
+    # every token but each request's first and last one went in the plain columns
+    assert plain == sum(MAX_TOKENS) - 2 * len(MAX_TOKENS)
     assert max(m.stats.num_decode_seqs for m in steps) == 3  # the three decoded in one step
     last = sent[-1]
     assert last.num_added == 3 and last.kv_blocks_used == 0 and last.num_running == 0

@@ -32,6 +32,7 @@ from bucketserve.engine.messages import (
     AddRequest,
     FinishRequests,
     RequestLimits,
+    SeqOutput,
     StepOutputs,
 )
 from bucketserve.engine.output_processor import TextProcessor
@@ -217,7 +218,11 @@ class AsyncEngine:
                                msg.prefix_cached_blocks)
         to_finish: list[str] = []
         streams, text, ended = self._streams, self._text, self._ended
-        for o in msg.outputs:
+        news = msg.outputs
+        if msg.token_request_ids:  # the plain one-token news (only the live streams')
+            news = news + [SeqOutput(rid, [tok]) for rid, tok in
+                           zip(msg.token_request_ids, msg.tokens, strict=True) if rid in streams]
+        for o in news:
             rid = o.request_id
             stream = streams.get(rid)
             out, ended_here = text.process(o) if stream is not None else (None, False)

@@ -44,6 +44,8 @@ from bucketserve.engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger("bucketserve.core")
 
+# benchmarks only: the core process profiles its loop with cProfile into this file
+PROFILE_ENV = "BUCKETSERVE_CORE_PROFILE"
 IDLE_WAIT_S = 0.1  # how long an idle core waits for input before it checks on its parent
 
 
@@ -108,9 +110,11 @@ class EngineCore:
         engine = self.engine
         outputs, self._finished = self._finished, []
         stats = None
+        rids: list[str] = []
+        tokens: list[int] = []
         if engine.has_unfinished():
             steps = engine.stats.num_steps
-            outputs += [seq_output(o) for o in engine.step()]
+            engine.outputs.add_news(engine.step_news(), outputs, rids, tokens)
             if engine.stats.num_steps != steps:
                 stats = engine.stats.recent[-1]
         sched, bm = engine.scheduler, engine.block_manager
@@ -118,7 +122,8 @@ class EngineCore:
                            num_running=sched.num_running, kv_blocks_used=bm.num_used_blocks,
                            num_added=self.num_added, prefix_queries_total=bm.query_tokens,
                            prefix_hits_total=bm.hit_tokens,
-                           prefix_cached_blocks=bm.num_cached_blocks)
+                           prefix_cached_blocks=bm.num_cached_blocks,
+                           token_request_ids=rids, tokens=tokens)
 
 
 def seq_output(out: RequestOutput) -> SeqOutput:
@@ -177,14 +182,23 @@ class Router:
     def split(self, msg: StepOutputs) -> list[StepOutputs]:
         if self.num_clients == 1:
             return [msg]
-        parts: list[list[SeqOutput]] = [[] for _ in range(self.num_clients)]
+        k = self.num_clients
+        parts: list[list[SeqOutput]] = [[] for _ in range(k)]
+        rids: list[list[str]] = [[] for _ in range(k)]
+        toks: list[list[int]] = [[] for _ in range(k)]
         owner = self.owner
         for o in msg.outputs:
             client = (owner.get(o.request_id, 0) if o.finish_reason is None
                       else owner.pop(o.request_id, 0))
             parts[client].append(o)
-        return [msgspec.structs.replace(msg, outputs=part, num_added=added)
-                for part, added in zip(parts, self.added, strict=True)]
+        get = owner.get
+        for rid, tok in zip(msg.token_request_ids, msg.tokens, strict=True):
+            client = get(rid, 0)
+            rids[client].append(rid)
+            toks[client].append(tok)
+        return [msgspec.structs.replace(msg, outputs=parts[c], num_added=self.added[c],
+                                        token_request_ids=rids[c], tokens=toks[c])
+                for c in range(k)]
 
 
 
@@ -279,6 +293,13 @@ def run_core_process(cfg: CoreConfig) -> None:
                 apply_engine_layout()
             engine = build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path, cfg.nvtx)
             from bucketserve.engine.fake_core import FakeCore, fake_step_s
+            from bucketserve.engine.fake_runner import fake_runner_step_s, install
+
+            runner_s = fake_runner_step_s()  # host-overhead benchmarks only (fake_runner.py)
+            if runner_s is not None:
+                install(engine, runner_s)
+                log.warning("FAKE RUNNER (%s): no model forward, made-up token ids, %.1f ms "
+                            "steps", "BUCKETSERVE_FAKE_RUNNER", runner_s * 1e3)
 
             step_s = fake_step_s()  # front-end benchmarks only (engine/fake_core.py)
             core = EngineCore(engine) if step_s is None else FakeCore(engine, step_s)
@@ -288,23 +309,40 @@ def run_core_process(cfg: CoreConfig) -> None:
             return
         send_all(out_enc.encode(core.ready()))
 
+        events, pollin, noblock = zmq.EVENTS, zmq.POLLIN, zmq.NOBLOCK
+
         def receive(timeout_s: float) -> list[CoreInput]:
+            # a busy core asks the socket's event flags (no syscall, no exception) before
+            # it reads; only an idle one polls, with a timeout
             msgs = []
-            if timeout_s > 0 and not inbox.poll(int(timeout_s * 1000)):
-                return msgs
-            while True:
-                try:
-                    msg = in_dec.decode(inbox.recv(zmq.NOBLOCK, copy=False).buffer)
-                except zmq.Again:
+            if timeout_s > 0:
+                if not inbox.poll(int(timeout_s * 1000)):
                     return msgs
+            elif not inbox.getsockopt(events) & pollin:
+                return msgs
+            while inbox.getsockopt(events) & pollin:
+                msg = in_dec.decode(inbox.recv(noblock))
                 if router.take(msg):
                     msgs.append(msg)
+            return msgs
 
         def send(msg: StepOutputs) -> None:
+            # copied sends: a zero-copy send of a message this small (a few KiB) costs more
+            # (a frame object and a release callback per send) than the copy
             for outbox, part in zip(outboxes, router.split(msg), strict=True):
-                outbox.send(out_enc.encode(part), copy=False)
+                outbox.send(out_enc.encode(part))
 
-        run_core_loop(core, receive, send, parent_alive)
+        profile_path = os.environ.get(PROFILE_ENV)  # benchmarks only: cProfile of the loop
+        if profile_path:
+            import cProfile
+
+            prof = cProfile.Profile()
+            try:
+                prof.runcall(run_core_loop, core, receive, send, parent_alive)
+            finally:
+                prof.dump_stats(profile_path)
+        else:
+            run_core_loop(core, receive, send, parent_alive)
         if not parent_alive():
             log.warning("the front end is gone: engine core exits")
     except BaseException as exc:  # noqa: BLE001 - reported to the front end, then exit 1

@@ -34,11 +34,15 @@ from bucketserve.engine.outputs import RequestOutput
 from bucketserve.engine.runner import ModelRunner, RunnerStep
 from bucketserve.engine.sampler import Sampler
 from bucketserve.engine.scheduler import Scheduler
-from bucketserve.engine.sequence import FinishReason, SamplingParams, Sequence
+from bucketserve.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from bucketserve.engine.stats import EngineStats, StepStats
 
 log = logging.getLogger(__name__)
 
+
+FINISHED = SequenceStatus.FINISHED
+# (sequence, error): a sequence that got a token or ended in a step; error: why it failed
+News = tuple[Sequence, str | None]
 
 # Steps failing one after the other before the engine gives up (a part that stays broken).
 MAX_FAILED_STEPS = 3
@@ -179,7 +183,8 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return None
         self.scheduler.finish(seq, FinishReason.STOP)
-        return self._finish_output(seq)
+        self._ended(seq)
+        return self.outputs.output(seq)
 
     def has_unfinished(self) -> bool:
         return self._inflight is not None or self.scheduler.has_unfinished()
@@ -189,9 +194,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules and launches one step and returns the outputs of the step resolved in
         this call: the previous one with overlapped scheduling, else this one."""
+        output = self.outputs.output
+        return [output(seq, error) for seq, error in self.step_news()]
+
+    def step_news(self) -> list[News]:
+        """`step()` without building its outputs: (sequence, error) for each sequence that
+        got a token or ended in the step, in `step()`'s order. The caller makes each one's
+        output (`outputs.output`, or the core's `outputs.seq_output`) before the next step:
+        the output processor keeps what was sent, and drops a finished sequence's state."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        results = [self._finish_output(seq) for seq in batch.finished]
+        results: list[News] = [self._ended(seq) for seq in batch.finished]
         bm = self.block_manager
         prev, self._inflight = self._inflight, None
         if batch.is_empty:
@@ -234,7 +247,7 @@ class LLMEngine:
             padding_tokens=step.num_padding))
         return results
 
-    def _resolve(self, step: RunnerStep) -> list[RequestOutput]:
+    def _resolve(self, step: RunnerStep) -> list[News]:
         """Hands a launched step's sampled tokens to the scheduler and the output processor.
         A sequence that finished after the step was launched (a stop in the previous step's
         tokens, an abort) drops its token: it is never emitted."""
@@ -243,29 +256,39 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
             return self._fail_step(step.batch, exc)
         self.num_failed_steps = 0
-        results = []
+        results: list[News] = []
         seqs = step.batch.seqs
         faults = self.faults
+        sampled, logprobs = out.sampled, out.logprobs
+        on_sampled, on_text = self.scheduler.on_sampled, self.outputs.on_text
+        now = time.monotonic()
         for i in step.sample_seqs:
             seq = seqs[i]
-            if seq.is_finished:
+            if seq.status is FINISHED:
                 continue
-            token = out.sampled[i]
-            self.scheduler.on_sampled(seq, token)
-            try:
-                if faults is not None and seq.params.detokenize:  # (else: the front end's)
-                    faults.fire("detok", (seq.token_ids[0],))
-                stop = self.outputs.on_token(seq, token, out.logprobs[i])
-            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
-                log.exception("output processing failed for %s", seq.request_id)
-                self.scheduler.finish(seq, FinishReason.ERROR)
-                self.outputs.drop_text(seq)
-                results.append(self._finish_output(
-                    seq, f"turning the output into text failed: {type(exc).__name__}: {exc}"))
-                continue
-            if stop and not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.STOP)
-            results.append(self._finish_output(seq) if seq.is_finished else self.outputs.output(seq))
+            token = sampled[i]
+            finished = on_sampled(seq, token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            lp = logprobs[i]
+            if lp is not None:
+                seq.logprobs.append(lp)
+            if seq.params.detokenize:  # text and stop strings (else: the front end's)
+                try:
+                    if faults is not None:
+                        faults.fire("detok", (seq.token_ids[0],))
+                    stop = on_text(seq, token)
+                except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                    log.exception("output processing failed for %s", seq.request_id)
+                    self.scheduler.finish(seq, FinishReason.ERROR)
+                    self.outputs.drop_text(seq)
+                    results.append(self._ended(
+                        seq, f"turning the output into text failed: {type(exc).__name__}: {exc}"))
+                    continue
+                if stop and not finished:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                    finished = True
+            results.append(self._ended(seq) if finished else (seq, None))
         return results
 
     @staticmethod
@@ -290,12 +313,12 @@ class LLMEngine:
             name = f"{batch.kind} t={batch.num_tokens}"
         return torch.cuda.nvtx.range(name)
 
-    def _finish_output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
+    def _ended(self, seq: Sequence, error: str | None = None) -> News:
         self._seqs.pop(seq.request_id, None)
         self.stats.record_finished(seq.finish_reason.value)
-        return self.outputs.output(seq, error)
+        return seq, error
 
-    def _fail_step(self, batch, exc: Exception) -> list[RequestOutput]:
+    def _fail_step(self, batch, exc: Exception) -> list[News]:
         """A step whose model run raised: its sequences end with an error and give their KV
         blocks back; the engine serves on. After MAX_FAILED_STEPS failures in a row the part
         is taken as broken and the exception goes on (the engine loop stops)."""
@@ -314,7 +337,7 @@ class LLMEngine:
                 continue
             self.scheduler.finish(seq, FinishReason.ERROR)
             self.outputs.drop_text(seq)
-            outputs.append(self._finish_output(seq, message))
+            outputs.append(self._ended(seq, message))
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -328,13 +351,9 @@ class LLMEngine:
             seq = self.add_request(prompt, p, priority=priorities[i] if priorities else 0)
             ids.append(seq.request_id)
         final: dict[str, RequestOutput] = {}
-        logprobs: dict[str, list] = {rid: [] for rid in ids}
+        output = self.outputs.output
         while self.has_unfinished():
-            for o in self.step():
-                if o.request_id in logprobs:
-                    logprobs[o.request_id].extend(o.new_logprobs)
-                if o.finished:
-                    final[o.request_id] = o
-        for rid in ids:
-            final[rid].new_logprobs = logprobs[rid]
+            for seq, error in self.step_news():
+                if seq.status is FINISHED:  # (only the final outputs are returned: all
+                    final[seq.request_id] = output(seq, error)  # tokens, text, logprobs)
         return [final[rid] for rid in ids]

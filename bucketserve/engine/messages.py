@@ -105,6 +105,17 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     prefix_queries_total: int = 0
     prefix_hits_total: int = 0
     prefix_cached_blocks: int = 0
+    # The step's plain news as two columns (most of a step: no struct per sequence to build,
+    # encode or decode): request token_request_ids[i] got the one token tokens[i], and is not
+    # finished, asked for no logprobs and has no metrics to report. All else is in `outputs`;
+    # a request is in one of the two, once.
+    token_request_ids: list[str] = msgspec.field(default_factory=list)
+    tokens: list[int] = msgspec.field(default_factory=list)
+
+    def news(self) -> list[SeqOutput]:
+        """Every sequence's news as SeqOutputs, the columns expanded (tests, slow paths)."""
+        return self.outputs + [SeqOutput(r, [t]) for r, t in
+                               zip(self.token_request_ids, self.tokens, strict=True)]
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):

@@ -22,10 +22,17 @@ from bucketserve.engine.detokenizer import StopStringMatcher, make_detokenizer
 from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.messages import SeqOutput
 from bucketserve.engine.outputs import RequestOutput
-from bucketserve.engine.sequence import FinishReason, SamplingParams, Sequence, TokenLogprob
+from bucketserve.engine.sequence import (
+    FinishReason,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+    TokenLogprob,
+)
 
 log = logging.getLogger(__name__)
 
+_FINISHED = SequenceStatus.FINISHED
 TIMEOUT_ERROR = "the request waited in the queue longer than the queue timeout"
 
 
@@ -75,13 +82,10 @@ class OutputProcessor:
     def add(self, seq: Sequence) -> None:
         self.states[seq.request_id] = RequestState(seq.prompt_token_ids, seq.params, self.tokenizer)
 
-    def on_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> bool:
-        """Records one sampled token; True when a stop string ends the sequence."""
+    def on_text(self, seq: Sequence, token_id: int) -> bool:
+        """The text of one sampled token (LLMEngine records the token, its time and
+        logprob); True when a stop string ends the sequence."""
         state = self.states[seq.request_id]
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        if logprob is not None:
-            seq.logprobs.append(logprob)
         state.text += state.new_text(token_id)
         return state.stop_matched
 
@@ -90,6 +94,64 @@ class OutputProcessor:
         state = self.states.get(seq.request_id)
         if state is not None:
             state.detok = None
+
+    def seq_output(self, seq: Sequence, error: str | None = None) -> SeqOutput:
+        """`output`'s delta as the engine core sends it (token ids, no text): the new ids, the
+        finish reason, logprobs if asked, and the timing metrics with the first tokens and at
+        the end. Slices only the new tokens (the engine core runs this for every sequence
+        every step)."""
+        rid = seq.request_id
+        state = self.states[rid]
+        if state.detok is not None:  # (text is the front end's: not the core's requests)
+            out = self.output(seq, error)
+            return SeqOutput(rid, out.new_token_ids, out.finish_reason, out.new_logprobs or None,
+                             out.metrics or None, error if out.finish_reason == "error" else None)
+        n_prompt = seq.num_prompt_tokens
+        sent = state.num_sent_tokens
+        toks = seq.token_ids
+        num_output = len(toks) - n_prompt
+        state.num_sent_tokens = num_output
+        new = toks[n_prompt + sent:] if num_output - sent != 1 else [toks[-1]]
+        lps = seq.logprobs[sent:num_output] or None if seq.params.logprobs is not None else None
+        if seq.status is _FINISHED:
+            del self.states[rid]
+            reason = seq.finish_reason.value
+            return SeqOutput(rid, new, reason, lps, self._final_metrics(seq),
+                             error if reason == "error" else None)
+        if sent == 0 and num_output:  # the first tokens: when it started (for the front end)
+            return SeqOutput(rid, new, None, lps, {
+                "first_scheduled": seq.first_scheduled_time or 0.0,
+                "first_token": seq.first_token_time or 0.0})
+        return SeqOutput(rid, new, None, lps)
+
+    def add_news(self, news: list[tuple[Sequence, str | None]], outputs: list[SeqOutput],
+                 request_ids: list[str], tokens: list[int]) -> None:
+        """The engine core's StepOutputs for a step's news (LLMEngine.step_news): a plain new
+        token (not the first, not the last, no logprobs) goes to the columns `request_ids` /
+        `tokens`, anything else to `outputs` as a `seq_output`."""
+        states = self.states
+        for seq, error in news:
+            state = states[seq.request_id]
+            sent = state.num_sent_tokens
+            if (sent and state.detok is None and seq.status is not _FINISHED
+                    and seq.params.logprobs is None
+                    and len(seq.token_ids) - seq.num_prompt_tokens == sent + 1):
+                state.num_sent_tokens = sent + 1
+                request_ids.append(seq.request_id)
+                tokens.append(seq.token_ids[-1])
+            else:
+                outputs.append(self.seq_output(seq, error))
+
+    @staticmethod
+    def _final_metrics(seq: Sequence) -> dict[str, float]:
+        metrics = {"arrival": seq.arrival_time}
+        for key, value in (("first_scheduled", seq.first_scheduled_time),
+                           ("first_token", seq.first_token_time),
+                           ("bucket", seq.prefill_bucket),
+                           ("finished", time.monotonic())):
+            if value is not None:
+                metrics[key] = value
+        return metrics
 
     def output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
         """The delta since the last output of this request; drops the state once finished."""
@@ -112,13 +174,7 @@ class OutputProcessor:
             reason = seq.finish_reason.value
             if error is None and seq.finish_reason is FinishReason.TIMEOUT:
                 error = TIMEOUT_ERROR
-            metrics["arrival"] = seq.arrival_time
-            for key, value in (("first_scheduled", seq.first_scheduled_time),
-                               ("first_token", seq.first_token_time),
-                               ("bucket", seq.prefill_bucket),
-                               ("finished", time.monotonic())):
-                if value is not None:
-                    metrics[key] = value
+            metrics = self._final_metrics(seq)
         elif sent == 0 and num_output:  # the first tokens: when it started (for the front end)
             metrics["first_scheduled"] = seq.first_scheduled_time or 0.0
             metrics["first_token"] = seq.first_token_time or 0.0

@@ -127,32 +127,54 @@ class StepInputs:
         seqs, counts = batch.seqs, batch.num_new_tokens
         n = len(seqs)
         nd = batch.num_decodes
-        starts = [s.num_computed_tokens for s in seqs]
-        tabs = [s.block_table for s in seqs]
-        width = max(map(len, tabs))
-        if width > self.max_blocks or n > self.max_seqs:
-            raise ValueError(f"step needs {n} rows x {width} blocks; buffers hold "
-                             f"{self.max_seqs} x {self.max_blocks}")
+        if n > self.max_seqs:
+            raise ValueError(f"step needs {n} rows; buffers hold {self.max_seqs}")
         ntok = nd + sum(counts[nd:])
         if ntok > self.max_tokens:
             raise ValueError(f"step has {ntok} tokens; buffers hold {self.max_tokens}")
+        # Block tables first (the decode slots are read from them below). A row's entries
+        # past its own pages are never read (kernels read the ceil(seq_len / block_size)
+        # pages a sequence owns), so they may hold stale ids. A row is rewritten only when
+        # it holds another table than last step or the table grew (decode steps mostly
+        # repeat the previous batch).
+        t, cached, max_blocks = self.tables, self._row_tables, self.max_blocks
+        for i, seq in enumerate(seqs):
+            tab = seq.block_table
+            c = cached[i]
+            if c[0] is not tab or c[1] != len(tab):
+                if len(tab) > max_blocks:
+                    raise ValueError(f"step needs {len(tab)} blocks for a row; buffers hold "
+                                     f"{max_blocks}")
+                t[i, :len(tab)] = tab
+                cached[i] = (tab, len(tab))
         ph_rows: list[int] = []
         ph_src: list[int] = []
-        # decodes (rows 0..nd-1): one token each at position start
+        starts = [s.num_computed_tokens for s in seqs]
+        # decodes (rows 0..nd-1): one token each at position start; a row samples when it
+        # then covers every token of its sequence (pending ones included)
+        caught_up = True
         if nd:
-            dstart = starts[:nd]
-            ids = []
+            prev_index = (pending_index if pending_index is not None else {}).get
+            ids = [0] * nd
             for r in range(nd):
-                toks, p = seqs[r].token_ids, dstart[r]
+                seq = seqs[r]
+                toks, p = seq.token_ids, starts[r]
                 if p < len(toks):
-                    ids.append(toks[p])
+                    ids[r] = toks[p]
                 else:  # sampled by the previous step, not on the host yet
-                    ids.append(0)
+                    src = prev_index(seq)
+                    if src is None:
+                        raise ValueError(f"{seq.request_id}: its newest token is neither on "
+                                         "the host nor sampled by the previous step")
                     ph_rows.append(r)
-                    ph_src.append(self._pending(pending_index, seqs[r]))
+                    ph_src.append(src)
+                if caught_up and p + 1 != len(toks) + seq.num_pending:
+                    caught_up = False
+            dpos = np.array(starts[:nd], dtype=np.int64)
             self.ids[:nd] = ids
-            self.pos[:nd] = dstart
-            self.slots[:nd] = [t[p // bs] * bs + p % bs for t, p in zip(tabs[:nd], dstart, strict=True)]
+            self.pos[:nd] = dpos
+            rows = np.arange(nd)
+            np.add(t[rows, dpos // bs] * bs, dpos % bs, out=self.slots[:nd])
         seq_lens = [p + c for p, c in zip(starts, counts, strict=True)]
         # prefills: ranges of tokens (always known on the host: only a sequence that has
         # sampled has a pending token, and it is then a decode)
@@ -164,35 +186,22 @@ class StepInputs:
                 raise ValueError(f"{seq.request_id}: a prefill chunk reaches a token still "
                                  "on the device")
             pos = np.arange(start, end, dtype=np.int64)
-            table = np.asarray(tabs[i], dtype=np.int64)
             self.ids[cursor:cursor + c] = seq.token_ids[start:end]
             self.pos[cursor:cursor + c] = pos
-            self.slots[cursor:cursor + c] = table[pos // bs] * bs + pos % bs
+            self.slots[cursor:cursor + c] = t[i, pos // bs] * bs + pos % bs
             cursor += c
         self.seq_lens[:n] = seq_lens
         self.qsl[0] = 0
         np.cumsum(counts, out=self.qsl[1:n + 1])
-        # Block tables: a row's entries past its own pages are never read (kernels read the
-        # ceil(seq_len / block_size) pages a sequence owns), so they may hold stale ids. A
-        # row is rewritten only when it holds another table than last step or the table
-        # grew (decode steps mostly repeat the previous batch: ~1.5 us a row saved).
-        t, cached = self.tables, self._row_tables
-        for i, tab in enumerate(tabs):
-            c = cached[i]
-            if c[0] is not tab or c[1] != len(tab):
-                t[i, :len(tab)] = tab
-                cached[i] = (tab, len(tab))
         # rows to sample: sequences whose every token (pending ones included) is computed
-        totals = [len(s.token_ids) + s.num_pending for s in seqs]
-        if nd == n and sum(seq_lens) == sum(totals):
-            # pure decode, all caught up (seq_lens[i] <= totals[i], so equal sums mean
-            # equal terms; a 1-token prompt chunk also has one new token but no sample)
+        if nd == n and caught_up:  # pure decode, all caught up
             sample_rows, sample_seqs = list(range(n)), list(range(n))
         else:
             sample_rows, sample_seqs = [], []
             qsl = self.qsl
             for i in range(n):
-                if seq_lens[i] == totals[i]:
+                seq = seqs[i]
+                if seq_lens[i] == len(seq.token_ids) + seq.num_pending:
                     sample_rows.append(int(qsl[i + 1]) - 1)
                     sample_seqs.append(i)
         k = len(sample_rows)
@@ -202,14 +211,6 @@ class StepInputs:
             self.h_ph_src.numpy()[:len(ph_src)] = ph_src
         return StepPlan(n, nd, ntok, seq_lens, list(counts), sample_rows, sample_seqs,
                         ph_rows, ph_src)
-
-    @staticmethod
-    def _pending(pending_index: dict[Sequence, int] | None, seq: Sequence) -> int:
-        src = None if pending_index is None else pending_index.get(seq)
-        if src is None:
-            raise ValueError(f"{seq.request_id}: its newest token is neither on the host nor "
-                             "sampled by the previous step")
-        return src
 
     def to_device(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input ids, positions, attention metadata) on the device: non-blocking copies of

@@ -41,12 +41,15 @@ certainly its last (max_tokens, context length) is not scheduled again.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 
 from bucketserve.buckets import BucketSpec
 from bucketserve.engine.block_manager import BlockManager
 from bucketserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+_FINISHED = SequenceStatus.FINISHED
 
 
 @dataclass
@@ -105,8 +108,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
-        self.waiting.sort(key=self.rank)
+        # after every sequence of equal rank, as a stable sort of the appended list would
+        bisect.insort_right(self.waiting, seq, key=self.rank)
 
     def abort(self, request_id: str) -> None:
         """Marks a request for removal at the next step boundary."""
@@ -144,15 +147,25 @@ class Scheduler:
         preempted = 0
 
         running_status = SequenceStatus.RUNNING
+        bs, max_len = self.blocks.block_size, self.max_model_len
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not running_status:
                 continue  # preempted earlier in this loop
             total = len(seq.token_ids) + seq.num_pending
-            if seq.num_pending and self._length_done(seq, total):
-                continue  # its pending token is its last: it finishes when that arrives
-            n = min(total - seq.num_computed_tokens, budget, self.max_prefill_tokens)
+            # its pending token is its last (_length_done, inline): it finishes when that
+            # arrives
+            if seq.num_pending and (total - seq.num_prompt_tokens >= seq.params.max_tokens
+                                    or total >= max_len):
+                continue
+            computed = seq.num_computed_tokens
+            n = total - computed
+            if n == 1 and computed < len(seq.block_table) * bs:
+                chosen[id(seq)] = 1  # a decode in its last block: nothing to allocate
+                budget -= 1
+                continue
+            n = min(n, budget, self.max_prefill_tokens)
             while not self.blocks.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -223,29 +236,39 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
                 seq.prefill_bucket = bucket
-            self.running.append(seq)
-        if admitted:
-            self.running.sort(key=self.rank)
+            bisect.insort_right(self.running, seq, key=self.rank)
         return budget
 
     def _build_batch(self, chosen: dict[int, int], preempted: int, left: list[Sequence]) -> ScheduledBatch:
-        work = [(seq, chosen[id(seq)]) for seq in self.running if id(seq) in chosen]
-        decodes = [(s, n) for s, n in work if n == 1]
-        prefills = [(s, n) for s, n in work if n > 1]
-        ordered = decodes + prefills
-        seqs = [s for s, _ in ordered]
-        num_new = [n for _, n in ordered]
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        prefill_new: list[int] = []
         # A token is useful the first time its K/V is computed; recomputation after a
         # preemption is work done twice.
-        useful = sum(max(0, s.num_computed_tokens + n - s.num_ever_computed) for s, n in ordered)
+        useful = 0
+        get = chosen.get
+        for seq in self.running:
+            n = get(id(seq))
+            if n is None:
+                continue
+            if n == 1:
+                decodes.append(seq)
+            else:
+                prefills.append(seq)
+                prefill_new.append(n)
+            u = seq.num_computed_tokens + n - seq.num_ever_computed
+            if u > 0:
+                useful += u
+        nd = len(decodes)
         if prefills:
-            longest = max(n for _, n in prefills)
+            longest = max(prefill_new)
             bucket = self.prefill_buckets.lookup(longest) or longest
             kind = "mixed" if decodes else "prefill"
         else:
-            bucket = self.decode_buckets.lookup(len(decodes)) or len(decodes)
+            bucket = self.decode_buckets.lookup(nd) or nd
             kind = "decode"
-        return ScheduledBatch(seqs, num_new, len(decodes), kind, bucket, preempted, useful, left)
+        return ScheduledBatch(decodes + prefills, [1] * nd + prefill_new, nd, kind, bucket,
+                              preempted, useful, left)
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """A step run synchronously: `on_launched` then `on_sampled` for each token.
@@ -280,10 +303,18 @@ class Scheduler:
         """A sampled token reached the host: appends it and applies the token stops. True when
         the sequence finished now. A sequence that finished before (a stop learnt one step
         late, an abort) ignores it: the token was computed after its end and is dropped."""
-        if seq.status is SequenceStatus.FINISHED:
+        if seq.status is _FINISHED:
             return False
         seq.num_pending -= 1
-        seq.token_ids.append(token)
+        toks = seq.token_ids
+        toks.append(token)
+        p = seq.params
+        num_output = len(toks) - seq.num_prompt_tokens
+        # the usual token (no stop token ids, EOS ignored or not EOS, below every length
+        # limit) leaves here; any other goes through _token_stop
+        if (num_output < p.max_tokens and len(toks) < self.max_model_len and not p.stop_token_ids
+                and (p.ignore_eos or token not in self.eos_token_ids)):
+            return False
         reason = self._token_stop(seq, token)
         if reason is None:
             return False

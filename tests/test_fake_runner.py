@@ -1,0 +1,65 @@
+"""The benchmark-only fake runner (engine/fake_runner.py): real host work, made-up ids."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from bucketserve.buckets import load_buckets
+from bucketserve.engine.fake_runner import ENV_VAR, fake_runner_step_s, install
+from bucketserve.engine.llm_engine import LLMEngine
+from bucketserve.engine.sequence import SamplingParams
+from bucketserve.models import load_model
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir):
+    return load_model(str(tiny_llama_dir), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def engine(loaded, tmp_path_factory) -> LLMEngine:
+    path = tmp_path_factory.mktemp("fake") / "b.toml"
+    path.write_text("[scheduler]\nmax_running = 8\nasync_scheduling = true\n"
+                    "[kv_cache]\ncpu_memory_gib = 0.05\n")
+    e = LLMEngine(loaded, load_buckets(str(path), max_model_len=loaded.max_model_len), "cpu")
+    install(e, 0.0)
+    return e
+
+
+def test_fake_runner_runs_every_request_to_its_length_without_eos(engine) -> None:
+    prompts = [[5, 6, 7] * k for k in (1, 4, 30)] + [[9]]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=False, detokenize=False)
+              for m in (3, 17, 40, 1)]
+    outs = engine.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [3, 17, 40, 1]
+    assert all(o.finish_reason == "length" for o in outs)
+    eos = engine.tokenizer.eos_token_ids
+    assert not any(t in eos for o in outs for t in o.token_ids)
+    # made up from the sequence's length: the same requests give the same ids
+    again = engine.generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    # the block manager was rebuilt for every running sequence at full length
+    bm = engine.block_manager
+    assert bm.num_usable_blocks >= 8 * (engine.max_model_len // bm.block_size)
+    assert bm.num_used_blocks == 0
+
+
+def test_fake_runner_step_time_paces_the_steps(engine) -> None:
+    engine.runner.step_s = 0.02
+    try:
+        t0 = time.perf_counter()
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.0,
+                                                    detokenize=False))
+        assert time.perf_counter() - t0 >= 5 * 0.02
+    finally:
+        engine.runner.step_s = 0.0
+
+
+def test_fake_runner_is_off_unless_asked(monkeypatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert fake_runner_step_s() is None
+    monkeypatch.setenv(ENV_VAR, "0.004")
+    assert fake_runner_step_s() == 0.004
