@@ -372,42 +372,47 @@ def test_late_batches_raise_the_guard_and_on_time_ones_lower_it_slowly():
 
 
 # ------------------------------------------------------------------ overload (point 9)
-def two_buckets_late(q: BucketQueue) -> None:
-    """Bucket 4: one input (deadline 90 ms); bucket 8: three inputs (deadline 140 ms)."""
+def late_queue(backlog: bool) -> BucketQueue:
+    """40 ms a batch, SLO 100 ms. Bucket 4: one input (deadline 90 ms); bucket 8: three inputs
+    (deadline 140 ms); with backlog, bucket 16: one input (deadline 140 ms): 120 ms of work."""
+    q = make(latency_slo_s=0.100, cost=FixedCost(lambda length, rows: 0.040))
     q.add(Req(), [ids(1, 3)], 0, now=0.0)
     q.add(Req(), [ids(2, 6), ids(3, 6), ids(4, 6)], 0, now=0.050)
+    if backlog:
+        q.add(Req(), [ids(5, 12)], 0, now=0.050)
+    return q
 
 
 def test_under_overload_the_fullest_ready_bucket_runs_first():
-    cost = FixedCost(lambda length, rows: 0.001)
-    # both ready (a large guard) and both can still be on time: earliest deadline first
-    q = make(latency_slo_s=0.100, cost=cost)
-    two_buckets_late(q)
-    q.guard_s = 0.080
-    assert not q.overloaded(0.060)
-    assert [firsts(q.pop_batch(0.060)) for _ in range(2)] == [[1], [2, 3, 4]]
-    # at 200 ms both deadlines are lost: the fuller bucket (3 of 4) runs before the older one
-    q = make(latency_slo_s=0.100, cost=cost)
-    two_buckets_late(q)
+    # late inputs but 80 ms of work, less than the SLO: earliest deadline first
+    q = late_queue(backlog=False)
+    assert not q.overloaded(0.200)
+    assert [firsts(q.pop_batch(0.200)) for _ in range(2)] == [[1], [2, 3, 4]]
+    # 120 ms of work, deadlines lost: the fullest bucket (3 of 4) first, then (80 ms left, no
+    # backlog) the earliest deadline
+    q = late_queue(backlog=True)
     assert q.overloaded(0.200)
-    assert [firsts(q.pop_batch(0.200)) for _ in range(2)] == [[2, 3, 4], [1]]
-    # one lost input is enough: at 60 ms buckets 4 and 8 could still be on time, but an input
-    # of bucket 16 is lost; the fullest goes first, then the earliest deadline
-    q = make(latency_slo_s=0.100, cost=cost)
-    two_buckets_late(q)
+    batch = q.pop_batch(0.200)
+    assert firsts(batch) == [2, 3, 4] and batch.overload
+    assert not q.overloaded(0.200)
+    assert [firsts(q.pop_batch(0.200)) for _ in range(2)] == [[1], [5]]
+    # one lost input (bucket 16) and a backlog: buckets that could still
+    # be on time (4 and 8, ready through the guard) compete on fill too
+    q = late_queue(backlog=False)
     q.add(Req(), [ids(5, 12)], 0, now=-1.0)
     q.guard_s = 0.080
-    assert q.overloaded(0.060)
-    assert [firsts(q.pop_batch(0.060)) for _ in range(3)] == [[2, 3, 4], [5], [1]]
+    assert q.overloaded(0.050)
+    assert [firsts(q.pop_batch(0.050)) for _ in range(3)] == [[2, 3, 4], [5], [1]]
 
 
 def test_a_lost_input_never_waits_and_a_starving_one_runs_first():
     q = make(latency_slo_s=0.100, queue_timeout_s=10.0,
-             cost=FixedCost(lambda length, rows: 0.001))
+             cost=FixedCost(lambda length, rows: 0.060))
     q.add(Req(), [ids(1, 3)], 0, now=0.0)
-    assert q.next_wake(0.0) > 0.05 and q.pop_batch(0.0) is None  # can wait: it does
+    assert q.next_wake(0.0) > 0.0 and q.pop_batch(0.0) is None  # can wait: it does
     assert q.next_wake(0.2) <= 0.2  # lost: ready, the worker does not idle
     q.add(Req(), [ids(i, 6) for i in range(10, 14)], 0, now=0.5)  # bucket 8, full
+    assert q.overloaded(4.0)
     assert firsts(q.pop_batch(4.0)) == [10, 11, 12, 13]  # fullest first
     q.add(Req(), [ids(i, 6) for i in range(20, 24)], 0, now=4.5)
     # the bucket-4 input has waited 6 s > STARVE_SHARE x 10 s: ahead of the full bucket
@@ -416,15 +421,20 @@ def test_a_lost_input_never_waits_and_a_starving_one_runs_first():
 
 
 def test_a_batch_lost_when_it_started_raises_the_guard_only_by_its_overrun():
-    q = make(latency_slo_s=0.100, cost=FixedCost(lambda length, rows: 0.010))
-    q.add(Req(), [ids(1, 3)], 0, now=0.0)  # deadline 90 ms
-    batch = q.pop_batch(1.0)  # lost: predicted to end at 1.010
-    assert batch.predicted_s == 0.010
-    assert q.batch_done(batch, 1, 0.010, end=1.010) == 1  # late, as predicted: no guard
+    q = make(latency_slo_s=0.100, cost=FixedCost(lambda length, rows: 0.060))
+    for first, n in ((1, 3), (2, 6), (3, 12)):  # three buckets, deadline 90 ms, 180 ms of work
+        q.add(Req(), [ids(first, n)], 0, now=0.0)
+    batch = q.pop_batch(1.0)  # overload, lost: predicted to end at 1.060
+    assert (batch.overload, batch.predicted_s) == (True, 0.060)
+    assert q.batch_done(batch, 1, 0.060, end=1.060) == 1  # late, as predicted: no guard
     assert q.guard_s == 0.0
-    q.add(Req(), [ids(2, 3)], 0, now=2.0)
-    assert q.batch_done(q.pop_batch(3.0), 1, 0.015, end=3.015) == 1  # overran by 5 ms
+    batch = q.pop_batch(1.060)
+    assert q.batch_done(batch, 1, 0.065, end=1.125) == 1  # overran its prediction by 5 ms
     assert q.guard_s == pytest.approx(0.005)
+    batch = q.pop_batch(1.125)  # 60 ms of work left: no overload, the whole lateness counts
+    assert not batch.overload
+    assert q.batch_done(batch, 1, 0.060, end=1.185) == 1
+    assert q.guard_s == pytest.approx(0.100)  # capped at the budget
 
 
 def simulate(q: BucketQueue, arrivals: list[tuple[float, int]], cost) -> tuple[int, float]:

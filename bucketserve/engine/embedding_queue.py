@@ -56,23 +56,24 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
    a late wake-up, inputs merged into a batch, work that arrived while a bucket waited) so
    make every bucket start earlier, and on-time batches slowly give the time back; the guard
    never exceeds the largest budget seen (then nothing waits: the fixed delay 0). A batch
-   that was already lost when it started (its predicted end past its earliest deadline:
-   overload, point 9) raises the guard only by how far it overran its prediction: the guard
-   corrects planning errors; starting earlier cannot make up for work the worker had no time
-   for, and a guard grown over an overload would keep every bucket from waiting long after.
-9. Overload. An input is *lost* when its bucket's next batch, run now, would end after the
-   input's deadline (now + predicted cost > deadline): nothing the queue does can make it on
-   time any more, and waiting for one more batch only adds that batch's run time to its
-   lateness. While any queued input is lost, the choice among ready buckets (lost buckets are
-   always ready, so the worker never idles then) maximises throughput: the fullest bucket,
-   min(live, cap(L)) / cap(L), runs first; then the rule of point 3 (priority, deadline,
-   arrival) breaks ties. Full batches keep running while the backlog lasts and partial
-   buckets fill meanwhile, where oldest-first would dispatch small batches of the buckets its
-   oldest inputs happen to sit in. Starvation bound: an input that has waited longer than
-   STARVE_SHARE x queue_timeout_s puts its bucket ahead of every fuller one (oldest first), so
-   fullest-first never lets an input time out that oldest-first would have served. Without
-   lost inputs, point 3 (earliest deadline first) stands: buckets that can still be on time
-   run as their deadlines require.
+   popped under overload (point 9) that was already lost when it started (its predicted end
+   past its earliest deadline) raises the guard only by how far it overran its prediction:
+   starting earlier cannot make up for work the worker had no time for, and a guard grown
+   over an overload would keep every bucket from waiting long after it.
+9. Overload: a queued input is *lost* (its bucket's next batch, run now, would end after its
+   deadline: nothing the queue does can make it on time any more) and the queued work, at the
+   cost table's prediction, exceeds the largest budget (the SLO): a backlog, not one late
+   input. Then waiting one more batch only adds that batch's run time to a lost input's
+   lateness, and the choice among ready buckets (lost buckets are always ready, so the worker
+   never idles) maximises throughput: the fullest bucket, min(live, cap(L)) / cap(L), runs
+   first; then the rule of point 3 (priority, deadline, arrival) breaks ties. Full batches
+   keep running while the backlog lasts and partial buckets fill meanwhile, where oldest-first
+   would dispatch the small batches of the buckets its oldest inputs happen to sit in.
+   Starvation bound: an input that has waited longer than STARVE_SHARE x queue_timeout_s puts
+   its bucket ahead of every fuller one (oldest first), so fullest-first never lets an input
+   time out that oldest-first would have served. Without a backlog (a late input in a short
+   queue: a burst, a slow batch) point 3 (earliest deadline first) stands: the inputs that can
+   still be on time are, and the late one goes first among its peers.
 
 Per batch the work is O(buckets x priorities + B), not O(inputs queued): an offline request
 of 20,000 inputs is drained in ~600 batches without rescanning the queue each time.
@@ -133,6 +134,7 @@ class Batch:
     items: list[QueuedInput]
     merged: bool = False  # holds inputs of more than one bucket
     predicted_s: float = 0.0  # the cost table's time for its final shape when it was popped
+    overload: bool = False  # popped under overload (point 9)
 
     @property
     def size(self) -> int:
@@ -310,7 +312,7 @@ class BucketQueue:
             return 0
         first = min(deadlines)
         predicted_end = end - seconds + batch.predicted_s
-        if predicted_end > first:  # lost when it started (point 9): only its overrun counts
+        if batch.overload and predicted_end > first:  # lost at its start: only its overrun
             late = end - predicted_end
             if late > 0:
                 self.guard_s = min(self.guard_s + late, self._max_budget_s)
@@ -322,17 +324,19 @@ class BucketQueue:
 
     def overloaded(self, now: float) -> bool:
         """Point 9: does the queue hold an input its bucket's next batch, run now, would
-        finish after the input's deadline?"""
+        finish after the input's deadline, and more work than the largest budget?"""
+        lost = False
+        work = 0.0
         for length, bucket in self._buckets.items():
             if not bucket.live:
                 continue
+            work += self.batch_cost(length, bucket.live)
             deadline = bucket.earliest_deadline()
-            if deadline == math.inf:
+            if deadline == math.inf or lost:
                 continue
             n = min(bucket.live, self.capacity(length))
-            if now + self.cost.predict(length, self.padded_size(n)) > deadline:
-                return True
-        return False
+            lost = now + self.cost.predict(length, self.padded_size(n)) > deadline
+        return lost and work > self._max_budget_s
 
     def _ready_at(self, length: int, bucket: _Bucket, oldest: float, now: float,
                   starts: dict[int, float]) -> float:
@@ -392,6 +396,7 @@ class BucketQueue:
         if self.graph_sizes:
             self._fit_graph_size(batch)
         batch.predicted_s = self.cost.predict(batch.length, self.padded_size(batch.size))
+        batch.overload = overload
         return batch
 
     def padded_size(self, n: int) -> int:
