@@ -366,8 +366,7 @@ def test_late_batches_raise_the_guard_and_on_time_ones_lower_it_slowly():
     q2.add(Req(), [ids(1, 3)], 0, now=0.0)
     assert q2.batch_done(q2.pop_batch(1.0), 1, 0.010, end=5.0) == 0 and q2.guard_s == 0.0
     q2.add(Req(), [ids(2, 3)], 0, now=0.0, deadline=0.5)
-    # started at 0.2 (predicted end 0.21, on time), ended at 99
-    assert q2.batch_done(q2.pop_batch(0.2), 1, 98.8, end=99.0) == 1
+    assert q2.batch_done(q2.pop_batch(1.0), 1, 0.010, end=99.0) == 1
     assert q2.guard_s == pytest.approx(0.5)
 
 
@@ -418,23 +417,6 @@ def test_a_lost_input_never_waits_and_a_starving_one_runs_first():
     # the bucket-4 input has waited 6 s > STARVE_SHARE x 10 s: ahead of the full bucket
     assert firsts(q.pop_batch(6.0)) == [1]
     assert firsts(q.pop_batch(6.0)) == [20, 21, 22, 23]
-
-
-def test_a_batch_lost_when_it_started_raises_the_guard_only_by_its_overrun():
-    q = make(latency_slo_s=0.100, cost=FixedCost(lambda length, rows: 0.060))
-    for first, n in ((1, 3), (2, 6), (3, 12)):  # three buckets, deadline 90 ms, 180 ms of work
-        q.add(Req(), [ids(first, n)], 0, now=0.0)
-    batch = q.pop_batch(1.0)  # overload, lost: predicted to end at 1.060
-    assert (batch.overload, batch.predicted_s) == (True, 0.060)
-    assert q.batch_done(batch, 1, 0.060, end=1.060) == 1  # late, as predicted: no guard
-    assert q.guard_s == 0.0
-    batch = q.pop_batch(1.060)
-    assert q.batch_done(batch, 1, 0.065, end=1.125) == 1  # overran its prediction by 5 ms
-    assert q.guard_s == pytest.approx(0.005)
-    batch = q.pop_batch(1.125)  # 60 ms of work left: no overload, the whole lateness counts
-    assert not batch.overload
-    assert q.batch_done(batch, 1, 0.060, end=1.185) == 1
-    assert q.guard_s == pytest.approx(0.100)  # capped at the budget
 
 
 def simulate(q: BucketQueue, arrivals: list[tuple[float, int]], cost) -> tuple[int, float]:

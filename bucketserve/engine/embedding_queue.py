@@ -55,11 +55,12 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
    lowers it by GUARD_DECAY x min(its slack, the guard). Misses (cost noise on a shared host,
    a late wake-up, inputs merged into a batch, work that arrived while a bucket waited) so
    make every bucket start earlier, and on-time batches slowly give the time back; the guard
-   never exceeds the largest budget seen (then nothing waits: the fixed delay 0). A batch
-   popped under overload (point 9) that was already lost when it started (its predicted end
-   past its earliest deadline) raises the guard only by how far it overran its prediction:
-   starting earlier cannot make up for work the worker had no time for, and a guard grown
-   over an overload would keep every bucket from waiting long after it.
+   never exceeds the largest budget seen (then nothing waits: the fixed delay 0). Batches
+   late under overload (point 9) raise it too: on a shared host a backlog is mostly a stall,
+   and the guard it leaves makes the next stall cost fewer misses (a variant that ignored
+   batches already lost when they started missed the SLO at 15 and 30 texts/s where fixed
+   delays met it, bench/embedding_slo_sweep.py on the 2-core CPU). While it is high every
+   bucket is ready at once, which under overload only widens the choice of point 9.
 9. Overload: a queued input is *lost* (its bucket's next batch, run now, would end after its
    deadline: nothing the queue does can make it on time any more) and the queued work, at the
    cost table's prediction, exceeds the largest budget (the SLO): a backlog, not one late
@@ -133,8 +134,7 @@ class Batch:
     length: int  # the bucket length every row is padded to
     items: list[QueuedInput]
     merged: bool = False  # holds inputs of more than one bucket
-    predicted_s: float = 0.0  # the cost table's time for its final shape when it was popped
-    overload: bool = False  # popped under overload (point 9)
+    overload: bool = False  # popped under overload (point 9: the fullest ready bucket)
 
     @property
     def size(self) -> int:
@@ -310,16 +310,11 @@ class BucketQueue:
         deadlines = [item.deadline for item in batch.items if item.deadline < math.inf]
         if not deadlines:
             return 0
-        first = min(deadlines)
-        predicted_end = end - seconds + batch.predicted_s
-        if batch.overload and predicted_end > first:  # lost at its start: only its overrun
-            late = end - predicted_end
-            if late > 0:
-                self.guard_s = min(self.guard_s + late, self._max_budget_s)
-        elif end > first:
-            self.guard_s = min(self.guard_s + end - first, self._max_budget_s)
+        slack = min(deadlines) - end
+        if slack < 0:
+            self.guard_s = min(self.guard_s - slack, self._max_budget_s)
         else:
-            self.guard_s -= GUARD_DECAY * min(first - end, self.guard_s)
+            self.guard_s -= GUARD_DECAY * min(slack, self.guard_s)
         return sum(end > d for d in deadlines)
 
     def overloaded(self, now: float) -> bool:
@@ -395,7 +390,6 @@ class BucketQueue:
             self._merge(batch)
         if self.graph_sizes:
             self._fit_graph_size(batch)
-        batch.predicted_s = self.cost.predict(batch.length, self.padded_size(batch.size))
         batch.overload = overload
         return batch
 
