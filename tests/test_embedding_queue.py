@@ -184,6 +184,11 @@ class FixedCost(CostTable):
         return self.fn(length, rows)
 
 
+def sublinear(length: int, rows: int) -> float:
+    """10 ms a row up to 3 rows, a full batch of 4 as 3: batching pays (WAIT_GAIN)."""
+    return 0.010 * min(rows, 3)
+
+
 def planned(cost: float) -> float:
     """The time a job of predicted `cost` seconds is planned with."""
     return cost * (1 + COST_MARGIN) + WAKE_SLACK_S
@@ -191,7 +196,7 @@ def planned(cost: float) -> float:
 
 def test_slo_bucket_waits_until_the_deadline_allows_the_predicted_cost():
     # 10 ms per row: one input at t=0, SLO 100 ms -> deadline 90 ms, start 90 - planned(10)
-    q = make(latency_slo_s=0.100, cost=FixedCost(lambda length, rows: 0.010 * rows))
+    q = make(latency_slo_s=0.100, cost=FixedCost(sublinear))
     q.add(Req(), [ids(1, 3)], 0, now=0.0)
     start = finish_by(0.0, 0.100) - planned(0.010)
     assert q.next_wake(0.0) == pytest.approx(start)
@@ -200,8 +205,27 @@ def test_slo_bucket_waits_until_the_deadline_allows_the_predicted_cost():
     assert firsts(q.pop_batch(start)) == [1]
 
 
+def test_a_bucket_waits_only_where_a_fuller_batch_is_cheaper_per_input():
+    # CPU-like: short inputs cost a fixed 8 ms a batch plus 0.5 ms each (batching pays),
+    # long ones 40 ms each (a forward in proportion to its tokens: waiting buys nothing)
+    cost = FixedCost(lambda length, rows: 0.008 + 0.0005 * rows if length == 4 else 0.040 * rows)
+    q = make(latency_slo_s=0.500, cost=cost)
+    q.add(Req(), [ids(1, 3)], 0, now=0.0)
+    q.add(Req(), [ids(2, 12)], 0, now=0.0)
+    assert q.waiting_pays(4, 1) and not q.waiting_pays(16, 1)
+    starts = q.start_times()
+    assert starts[16] == -math.inf and starts[4] > 0.3
+    assert firsts(q.pop_batch(0.0)) == [2]  # the long input runs at once
+    assert q.pop_batch(0.0) is None  # the short one waits for company
+    # alone now, the short bucket no longer plans the long job ahead of it: it starts later
+    assert q.next_wake(0.0) == pytest.approx(q.start_times()[4]) and q.next_wake(0.0) > starts[4]
+    # nothing measured yet: the table cannot tell, so the bucket waits as before
+    q = make(latency_slo_s=0.500)
+    assert q.waiting_pays(16, 1)
+
+
 def test_a_growing_batch_moves_its_start_earlier_and_a_full_one_runs_at_once():
-    q = make(latency_slo_s=0.100, cost=FixedCost(lambda length, rows: 0.010 * rows))
+    q = make(latency_slo_s=0.100, cost=FixedCost(sublinear))
     q.add(Req(), [ids(1, 3)], 0, now=0.0)
     q.add(Req(), [ids(2, 3), ids(3, 3)], 0, now=0.020)
     # the oldest deadline (90 ms) now has to allow three rows
@@ -270,9 +294,10 @@ def test_dead_and_taken_inputs_leave_the_deadline_plan():
 
 def test_inputs_cut_back_to_a_graph_size_keep_their_deadlines():
     q = make(preferred_batch_size=8, max_batch_tokens=128, graph_sizes=[1, 2, 4, 8],
-             latency_slo_s=1.0, cost=FixedCost(lambda length, rows: 0.001 * rows))
+             latency_slo_s=1.0,
+             cost=FixedCost(lambda length, rows: 0.001 * rows if rows < 8 else 0.006))
     q.add(Req(), [ids(i, 4) for i in range(5)], 0, now=0.0)
-    start = finish_by(0.0, 1.0) - planned(0.008)  # five rows are planned at graph size 8
+    start = finish_by(0.0, 1.0) - planned(0.006)  # five rows are planned at graph size 8
     assert firsts(q.pop_batch(start)) == [0, 1, 2, 3]  # 3 padding rows of 8: cut to 4
     # the input cut off is queued again with its deadline, now planned as one row
     alone = finish_by(0.0, 1.0) - planned(0.001)
@@ -336,8 +361,9 @@ def test_a_long_recent_batch_makes_buckets_start_earlier():
     table = CostTable()
     q = make(latency_slo_s=1.0, cost=table)
     table.observe(4, 1, 0.010)
+    table.observe(4, 4, 0.012)  # a full batch costs little more: waiting pays
     q.add(Req(), [ids(1, 3)], 0, now=0.0)
-    assert q.start_times() == {4: pytest.approx(finish_by(0.0, 1.0) - planned(0.010) - 0.010)}
+    assert q.start_times() == {4: pytest.approx(finish_by(0.0, 1.0) - planned(0.010) - 0.012)}
     table.observe(16, 2, 0.300)  # another bucket's long batch: it could be running then
     late = finish_by(0.0, 1.0) - planned(0.010) - 0.300
     assert q.start_times() == {4: pytest.approx(late)}

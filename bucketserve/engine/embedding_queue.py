@@ -45,7 +45,11 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
        start_k = min(d_k - c_k, start_{k+1} - c_k)      (backward from the last job)
    less a blocking allowance, the longest recent batch (a batch started for another bucket
    meanwhile, e.g. one that filled, runs to its end first), less the guard below. A bucket
-   is ready once now >= its start. While a bucket waits, more inputs join it; its
+   is ready once now >= its start, and at once when waiting would not pay: when the cost
+   table says a full batch costs per input no less than 1 / WAIT_GAIN of what its n inputs
+   cost per input now (cost(L, cap) / cap x WAIT_GAIN > cost(L, n) / n: a CPU, where a
+   forward costs about in proportion to its tokens, for long inputs). Waiting then only
+   spends the budget that host stalls need. While a bucket waits, more inputs join it; its
    cost grows, its start moves earlier, and a full bucket runs at once. Merging (point 4) and
    graph sizes (point 5) then shape the batch as without deadlines. A deadline that cannot be
    met any more only makes its bucket ready; nothing is refused for it.
@@ -101,6 +105,9 @@ COST_MARGIN = 0.25
 WAKE_SLACK_S = 0.001
 # Share of an on-time batch's slack (at most the guard) the guard gives back (point 8).
 GUARD_DECAY = 0.05
+# A bucket with deadlines waits for more inputs only if a full batch would cost per input at
+# most 1 / WAIT_GAIN of what its inputs cost per input now (point 7).
+WAIT_GAIN = 1.25
 # Under overload (point 9), an input that waited this share of queue_timeout_s runs oldest-first.
 STARVE_SHARE = 0.5
 
@@ -301,7 +308,18 @@ class BucketQueue:
         for deadline, length, cost in reversed(jobs):
             later = starts[length] = min(deadline, later) - cost
         early = self.cost.recent_max() + self.guard_s
-        return {length: start - early for length, start in starts.items()}
+        return {length: -math.inf if not self.waiting_pays(length, self._buckets[length].live)
+                else start - early for length, start in starts.items()}
+
+    def waiting_pays(self, length: int, n: int) -> bool:
+        """Point 7: would a full batch of this bucket cost per input enough less than its n
+        inputs now (WAIT_GAIN) to wait for it? True where the table knows nothing yet."""
+        cap = self.capacity(length)
+        if n >= cap:
+            return True  # full: ready anyway
+        now_per = self.cost.predict(length, self.padded_size(n)) / n
+        full_per = self.cost.predict(length, self.padded_size(cap)) / cap
+        return not (now_per > 0 and full_per > 0) or now_per >= WAIT_GAIN * full_per
 
     def batch_done(self, batch: Batch, rows: int, seconds: float, end: float) -> int:
         """Point 8: `batch` ran as `rows` rows in `seconds`, ending at `end`. Returns how many
