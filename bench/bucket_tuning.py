@@ -2,6 +2,7 @@
 """Tuned buckets vs the shipped default on a skewed trace, and request-log replay fidelity.
 
     PYTHONPATH=. python bench/bucket_tuning.py --out-dir bench/results/bucket_tuning_cpu [--device cpu]
+        [--serve-args "--model DIR --embedding-model DIR"] [--request-embedding-model '']
 
 1. A seeded skewed trace: generation prompts clustered around 40 and 700 tokens, embedding
    inputs around 12 and 180 tokens, Poisson arrivals.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -43,9 +45,13 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "bucketserve.server.cli", *args]
 
 
+SERVE_ARGS: list[str] = []  # --serve-args
+EMBEDDING_NAME = ["all-minilm-l6-v2"]  # --request-embedding-model ("": none sent)
+
+
 def start(port: int, buckets: str | None, log: str, out_dir: str, name: str, device: str):
     args = cli("serve", "--port", str(port), "--request-log", log, "--device", device,
-               "--log-level", "warning")
+               "--log-level", "warning", *SERVE_ARGS)
     if buckets:
         args += ["--buckets", buckets]
     out = open(os.path.join(out_dir, f"server_{name}.log"), "wb")  # noqa: SIM115
@@ -77,7 +83,7 @@ def stop(proc) -> None:
 def bench(port: int, out_dir: str, name: str, *args: str) -> dict:
     out = os.path.join(out_dir, f"{name}.json")
     cmd = cli("bench", "--base-url", f"http://127.0.0.1:{port}", "--out", out, "--label", name,
-              "--embedding-model", "all-minilm-l6-v2", *args)
+              *(["--embedding-model", EMBEDDING_NAME[0]] if EMBEDDING_NAME[0] else []), *args)
     print("+", " ".join(cmd[3:]), flush=True)
     subprocess.run(cmd, check=False)
     with open(out) as f:
@@ -101,7 +107,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true",
                     help="reuse the default-buckets runs already in --out-dir")
+    ap.add_argument("--serve-args", default="",
+                    help="more `bucketserve serve` arguments, e.g. '--model DIR --embedding-model "
+                         "DIR' (a GPU machine without the model packages)")
+    ap.add_argument("--request-embedding-model", default=EMBEDDING_NAME[0],
+                    help="model name sent with embedding requests ('' sends none)")
     a = ap.parse_args()
+    # a SIGTERM (timeout(1)) unwinds like an exception: the servers are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    SERVE_ARGS[:] = shlex.split(a.serve_args)
+    EMBEDDING_NAME[0] = a.request_embedding_model
     os.makedirs(a.out_dir, exist_ok=True)
     d = a.out_dir
     trace = os.path.join(d, "skewed_trace.jsonl")

@@ -5,6 +5,7 @@ max_queue_delay_ms settings, p99 latency vs the SLO and throughput per rate (iss
     PYTHONPATH=. python bench/embedding_slo_sweep.py --device cpu \
         --out bench/results/embedding_slo_sweep_cpu.json [--rates 10,15,20,30,100,2000]
         [--slo-ms 500] [--fixed-ms 0,5,50,200] [--duration-s 10] [--max-requests 2000]
+        [--serve-args "--model DIR --embedding-model DIR"]  (bench/issue15_h200.sh on a GPU)
 
 One `bucketserve serve` per setting (its TOML differs only in [embedding] latency_slo_ms or
 max_queue_delay_ms; the LLM it also loads gets a tiny KV pool and is not used). Each request
@@ -37,6 +38,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -82,7 +84,8 @@ def toml_for(setting: str, slo_ms: float, device: str) -> str:
 
 
 class Server:
-    def __init__(self, setting: str, slo_ms: float, device: str, work: str) -> None:
+    def __init__(self, setting: str, slo_ms: float, device: str, work: str,
+                 extra: list[str] | None = None) -> None:
         self.setting = setting
         self.port = free_port()
         name = setting.replace("=", "_")
@@ -93,7 +96,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bucketserve.server.cli", "serve", "--port", str(self.port),
              "--buckets", path, "--device", device, "--embedding-model", MODEL,
-             "--log-level", "warning"],
+             "--log-level", "warning", *(extra or [])],
             stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
         self.base = f"http://127.0.0.1:{self.port}"
 
@@ -157,7 +160,8 @@ def pct(xs: list[float], p: float) -> float | None:
 def one_run(server: Server, rate: float, reqs: list, a, slo_s: float) -> dict:
     host, port = "127.0.0.1", server.port
     cfg = runner.RunConfig(host, port, "unused", open_loop=True, workers=a.workers,
-                           embedding_model=MODEL, request_timeout_s=a.request_timeout_s)
+                           embedding_model=a.request_model or None,
+                           request_timeout_s=a.request_timeout_s)
     before = server.metrics()
     load = os.getloadavg()
     results, _t0, duration, cpu_s = asyncio.run(runner.run(cfg, reqs))
@@ -295,6 +299,11 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=1, help="client processes")
     ap.add_argument("--request-timeout-s", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--serve-args", default="",
+                    help="more `bucketserve serve` arguments, e.g. '--model DIR --embedding-model "
+                         "DIR' (a later --embedding-model replaces all-minilm-l6-v2)")
+    ap.add_argument("--request-model", default=MODEL,
+                    help="model name sent with each request ('' sends none: a served directory)")
     ap.add_argument("--tolerance", type=float, default=0.03,
                     help="throughput noise allowed in the verdict (fraction)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "embedding_slo_sweep_cpu.json"))
@@ -305,6 +314,8 @@ def main() -> int:
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="combine runs of earlier --only sweeps into --out (verdict, plot)")
     a = ap.parse_args()
+    # a SIGTERM (timeout(1)) unwinds like an exception: the servers are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if a.merge:
         parts = []
         for path in a.merge:
@@ -331,6 +342,8 @@ def main() -> int:
               "settings": settings, "lengths": LENGTHS, "duration_s": a.duration_s,
               "seed": a.seed, "command": " ".join(sys.argv), "runs": []}
     reqs = {rate: requests_for(rate, a) for rate in rates}
+    extra = shlex.split(a.serve_args)
+    result["serve_args"] = extra
 
     def record(run: dict) -> None:
         result["runs"].append(run)
@@ -343,7 +356,7 @@ def main() -> int:
             json.dump(result, f, indent=1)
 
     if a.device == "cpu":  # all up together, settings interleaved per rate
-        servers = [Server(s, slo_ms, a.device, work) for s in settings]
+        servers = [Server(s, slo_ms, a.device, work, extra) for s in settings]
         try:
             for s in servers:
                 s.wait_up()
@@ -356,7 +369,7 @@ def main() -> int:
                 s.stop()
     else:  # one server at a time
         for setting in settings:
-            s = Server(setting, slo_ms, a.device, work)
+            s = Server(setting, slo_ms, a.device, work, extra)
             try:
                 s.wait_up()
                 for rate in rates:

@@ -14,7 +14,8 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
    it can only make their bucket run earlier than the fixed delay.
 3. Among ready buckets, the one holding the best input runs: lowest priority value, then the
    earliest deadline, then the earliest arrival. It gives up to cap(L) inputs in priority then
-   arrival order: one [B, L] batch.
+   arrival order: one [B, L] batch. Under overload (point 9) the fullest ready bucket runs
+   instead (lowest priority value still first).
 4. Merging (max_merged_padding > 0): a batch with fewer than cap(L) inputs is topped up with
    queued inputs of other buckets (ready or not), padded to the largest bucket length among
    them, so the batch still has a bucket shape. For each target length T >= L that holds
@@ -44,7 +45,11 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
        start_k = min(d_k - c_k, start_{k+1} - c_k)      (backward from the last job)
    less a blocking allowance, the longest recent batch (a batch started for another bucket
    meanwhile, e.g. one that filled, runs to its end first), less the guard below. A bucket
-   is ready once now >= its start. While a bucket waits, more inputs join it; its
+   is ready once now >= its start, and at once when waiting would not pay: when the cost
+   table says a full batch costs per input no less than 1 / WAIT_GAIN of what its n inputs
+   cost per input now (cost(L, cap) / cap x WAIT_GAIN > cost(L, n) / n: a CPU, where a
+   forward costs about in proportion to its tokens, for long inputs). Waiting then only
+   spends the budget that host stalls need. While a bucket waits, more inputs join it; its
    cost grows, its start moves earlier, and a full bucket runs at once. Merging (point 4) and
    graph sizes (point 5) then shape the batch as without deadlines. A deadline that cannot be
    met any more only makes its bucket ready; nothing is refused for it.
@@ -54,7 +59,26 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
    lowers it by GUARD_DECAY x min(its slack, the guard). Misses (cost noise on a shared host,
    a late wake-up, inputs merged into a batch, work that arrived while a bucket waited) so
    make every bucket start earlier, and on-time batches slowly give the time back; the guard
-   never exceeds the largest budget seen (then nothing waits: the fixed delay 0).
+   never exceeds the largest budget seen (then nothing waits: the fixed delay 0). Batches
+   late under overload (point 9) raise it too: on a shared host a backlog is mostly a stall,
+   and the guard it leaves makes the next stall cost fewer misses (a variant that ignored
+   batches already lost when they started missed the SLO at 15 and 30 texts/s where fixed
+   delays met it, bench/embedding_slo_sweep.py on the 2-core CPU). While it is high every
+   bucket is ready at once, which under overload only widens the choice of point 9.
+9. Overload: a queued input is *lost* (its bucket's next batch, run now, would end after its
+   deadline: nothing the queue does can make it on time any more) and the queued work, at the
+   cost table's prediction, exceeds the largest budget (the SLO): a backlog, not one late
+   input. Then waiting one more batch only adds that batch's run time to a lost input's
+   lateness, and the choice among ready buckets (lost buckets are always ready, so the worker
+   never idles) maximises throughput: the fullest bucket, min(live, cap(L)) / cap(L), runs
+   first; then the rule of point 3 (priority, deadline, arrival) breaks ties. Full batches
+   keep running while the backlog lasts and partial buckets fill meanwhile, where oldest-first
+   would dispatch the small batches of the buckets its oldest inputs happen to sit in.
+   Starvation bound: an input that has waited longer than STARVE_SHARE x queue_timeout_s puts
+   its bucket ahead of every fuller one (oldest first), so fullest-first never lets an input
+   time out that oldest-first would have served. Without a backlog (a late input in a short
+   queue: a burst, a slow batch) point 3 (earliest deadline first) stands: the inputs that can
+   still be on time are, and the late one goes first among its peers.
 
 Per batch the work is O(buckets x priorities + B), not O(inputs queued): an offline request
 of 20,000 inputs is drained in ~600 batches without rescanning the queue each time.
@@ -81,6 +105,11 @@ COST_MARGIN = 0.25
 WAKE_SLACK_S = 0.001
 # Share of an on-time batch's slack (at most the guard) the guard gives back (point 8).
 GUARD_DECAY = 0.05
+# A bucket with deadlines waits for more inputs only if a full batch would cost per input at
+# most 1 / WAIT_GAIN of what its inputs cost per input now (point 7).
+WAIT_GAIN = 1.25
+# Under overload (point 9), an input that waited this share of queue_timeout_s runs oldest-first.
+STARVE_SHARE = 0.5
 
 
 def finish_by(arrival: float, budget_s: float) -> float:
@@ -112,6 +141,7 @@ class Batch:
     length: int  # the bucket length every row is padded to
     items: list[QueuedInput]
     merged: bool = False  # holds inputs of more than one bucket
+    overload: bool = False  # popped under overload (point 9: the fullest ready bucket)
 
     @property
     def size(self) -> int:
@@ -278,7 +308,18 @@ class BucketQueue:
         for deadline, length, cost in reversed(jobs):
             later = starts[length] = min(deadline, later) - cost
         early = self.cost.recent_max() + self.guard_s
-        return {length: start - early for length, start in starts.items()}
+        return {length: -math.inf if not self.waiting_pays(length, self._buckets[length].live)
+                else start - early for length, start in starts.items()}
+
+    def waiting_pays(self, length: int, n: int) -> bool:
+        """Point 7: would a full batch of this bucket cost per input enough less than its n
+        inputs now (WAIT_GAIN) to wait for it? True where the table knows nothing yet."""
+        cap = self.capacity(length)
+        if n >= cap:
+            return True  # full: ready anyway
+        now_per = self.cost.predict(length, self.padded_size(n)) / n
+        full_per = self.cost.predict(length, self.padded_size(cap)) / cap
+        return not (now_per > 0 and full_per > 0) or now_per >= WAIT_GAIN * full_per
 
     def batch_done(self, batch: Batch, rows: int, seconds: float, end: float) -> int:
         """Point 8: `batch` ran as `rows` rows in `seconds`, ending at `end`. Returns how many
@@ -293,6 +334,22 @@ class BucketQueue:
         else:
             self.guard_s -= GUARD_DECAY * min(slack, self.guard_s)
         return sum(end > d for d in deadlines)
+
+    def overloaded(self, now: float) -> bool:
+        """Point 9: does the queue hold an input its bucket's next batch, run now, would
+        finish after the input's deadline, and more work than the largest budget?"""
+        lost = False
+        work = 0.0
+        for length, bucket in self._buckets.items():
+            if not bucket.live:
+                continue
+            work += self.batch_cost(length, bucket.live)
+            deadline = bucket.earliest_deadline()
+            if deadline == math.inf or lost:
+                continue
+            n = min(bucket.live, self.capacity(length))
+            lost = now + self.cost.predict(length, self.padded_size(n)) > deadline
+        return lost and work > self._max_budget_s
 
     def _ready_at(self, length: int, bucket: _Bucket, oldest: float, now: float,
                   starts: dict[int, float]) -> float:
@@ -320,8 +377,10 @@ class BucketQueue:
     def pop_batch(self, now: float) -> Batch | None:
         """The next batch to run (docstring points 2-4, 7), removed from the queue; None when
         no bucket is ready."""
-        best: tuple[tuple[int, float, int], int] | None = None
+        best: tuple[tuple[int, float, float, float, int], int] | None = None
         starts = self.start_times()
+        overload = self.overloaded(now)
+        starving = now - STARVE_SHARE * self.queue_timeout_s  # arrived before: oldest first
         for length, bucket in self._buckets.items():
             heads = list(bucket.heads())
             if not heads:
@@ -330,7 +389,14 @@ class BucketQueue:
             if self._ready_at(length, bucket, oldest, now, starts) <= now:
                 prio = min(h.priority for h in heads)
                 seq = min(h.seq for h in heads if h.priority == prio)
-                key = (prio, bucket.earliest_deadline(), seq)
+                # point 9: under overload a starving bucket (oldest first), then the fullest
+                starve, fill = math.inf, 0.0
+                if overload:
+                    cap = self.capacity(length)
+                    fill = -min(bucket.live, cap) / cap
+                    if oldest <= starving:
+                        starve = oldest
+                key = (prio, starve, fill, bucket.earliest_deadline(), seq)
                 if best is None or key < best[0]:
                     best = (key, length)
         if best is None:
@@ -342,6 +408,7 @@ class BucketQueue:
             self._merge(batch)
         if self.graph_sizes:
             self._fit_graph_size(batch)
+        batch.overload = overload
         return batch
 
     def padded_size(self, n: int) -> int:
