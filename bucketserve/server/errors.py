@@ -73,7 +73,7 @@ def overloaded(message: str, code: str) -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable line from pydantic's error list, and the offending top-level field."""
     errors = exc.errors()
     if not errors:
@@ -113,7 +113,7 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return invalid_request(message, param).response()
 
     @app.exception_handler(StarletteHTTPException)
