@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import email.message
 import json
 import logging
@@ -73,9 +74,11 @@ from bucketserve.server.request_log import RequestLog
 
 log = logging.getLogger("bucketserve.embeddings")
 
-# Requests with more inputs than these are tokenized / serialised off the event loop.
-_INLINE_TOKENIZE_MAX = 8
+# Requests with more inputs than this are serialised off the event loop.
 _INLINE_RENDER_MAX = 64
+# Requests with more texts than this are tokenized on their own (asyncio.to_thread), not
+# together with their neighbours (CoalescingTokenizer).
+_COALESCE_MAX_TEXTS = 256
 
 DEADLINE_HEADER = "X-Request-Deadline-Ms"
 
@@ -162,6 +165,100 @@ def decode_request(body: bytes, content_type: str | None
 
 def _invalid(exc: RequestValidationError) -> APIError:
     return invalid_request(*validation_message(exc))
+
+
+_Job = tuple[list[str], "int | None", asyncio.Future]
+
+
+class CoalescingTokenizer:
+    """Tokenizes the texts of concurrent requests together, off the event loop.
+
+    A request's texts join a pending list; when no tokenization runs, the whole list goes to
+    one helper thread as one `encode_batch` call per truncation length (the tokenizers
+    library encodes a batch on all cores with the GIL released), and the requests that come
+    while it runs make the next call. So 64 clients sending one text each cost one call, not
+    64 on the event loop, and a lone request waits for no one. Results come back to the event
+    loop in one call_soon_threadsafe per call. A ValueError (a truncation length too short)
+    is the failing request's alone: that group is then encoded request by request."""
+
+    def __init__(self, encode_batch: Any) -> None:
+        self._encode = encode_batch
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[_Job] = []
+        self._running = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def encode(self, texts: list[str], max_len: int | None) -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # (in-process tests run one event loop after another)
+            self._loop, self._pending, self._running = loop, [], False
+        future = loop.create_future()
+        self._pending.append((texts, max_len, future))
+        if not self._running:
+            self._start(loop)
+        return await future
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        jobs = [job for job in self._pending if not job[2].done()]  # cancelled: dropped
+        self._pending = []
+        if not jobs:
+            self._running = False
+            return
+        self._running = True
+
+        def done(results: list) -> None:
+            self._finish(loop, jobs, results)
+
+        def run() -> None:
+            results = self._run(jobs)
+            try:
+                loop.call_soon_threadsafe(done, results)
+            except RuntimeError:  # that loop is closed: nobody is waiting any more
+                pass
+
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._pool.submit(run)
+
+    def _run(self, jobs: list[_Job]) -> list:
+        """In the helper thread: per job, its token ids or the exception it raised."""
+        results: list = [None] * len(jobs)
+        groups: dict[int | None, list[int]] = {}
+        for i, (_, max_len, _) in enumerate(jobs):
+            groups.setdefault(max_len, []).append(i)
+        for max_len, members in groups.items():
+            texts = [t for i in members for t in jobs[i][0]]
+            try:
+                ids = self._encode(texts, max_len)
+            except Exception:  # find whose: one call per request of this group
+                for i in members:
+                    try:
+                        results[i] = self._encode(jobs[i][0], max_len)
+                    except Exception as exc:
+                        results[i] = exc
+                continue
+            start = 0
+            for i in members:
+                n = len(jobs[i][0])
+                results[i] = ids[start:start + n]
+                start += n
+        return results
+
+    def _finish(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job], results: list) -> None:
+        for (_, _, future), result in zip(jobs, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        if loop is self._loop:
+            self._start(loop)
 
 
 class _Watched:
@@ -269,6 +366,7 @@ class EmbeddingService:
         # Longest input served: the model's limit, or a smaller last bucket from the user's file.
         self.max_input_tokens = min(loaded.max_seq_length, self.batcher.max_len)
         self.metrics_collector = BatcherStatsCollector(self.batcher)
+        self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
         self._watching: dict[asyncio.Task, _Watched] = {}
         self._watcher: asyncio.Future | None = None
         self.router = self._build_router()
@@ -278,6 +376,7 @@ class EmbeddingService:
 
     async def shutdown(self, timeout_s: float) -> None:
         await self.batcher.shutdown(timeout_s)
+        self.tokenizer.close()
 
     def is_alive(self) -> bool:
         return self.batcher.is_alive()
@@ -430,8 +529,8 @@ class EmbeddingService:
         if isinstance(inputs[0], str):
             texts: list[str] = inputs  # type: ignore[assignment]
             try:
-                if len(texts) <= _INLINE_TOKENIZE_MAX:
-                    token_ids = self.loaded.tokenizer.encode_batch(texts, max_len)
+                if len(texts) <= _COALESCE_MAX_TEXTS:
+                    token_ids = await self.tokenizer.encode(texts, max_len)
                 else:
                     token_ids = await asyncio.to_thread(self.loaded.tokenizer.encode_batch,
                                                         texts, max_len)
