@@ -69,7 +69,7 @@ from bucketserve.engine.outputs import QueueFullError
 from bucketserve.models.bert_loader import LoadedEmbeddingModel, load_embedding_model
 from bucketserve.server.errors import APIError, invalid_request, overloaded, validation_message
 from bucketserve.server.generation import DISCONNECT_POLL_S, ClientGone
-from bucketserve.server.protocol import check_text
+from bucketserve.server.protocol import check_text, worker_tag
 from bucketserve.server.request_log import RequestLog
 
 log = logging.getLogger("bucketserve.embeddings")
@@ -421,9 +421,12 @@ class EmbeddingService:
             content, status = b"", 499
         else:
             status = 200
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(content)).encode())]})
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(content)).encode())]
+        tag = worker_tag()
+        if tag is not None:  # --api-workers: which front end answered
+            headers.append((b"x-bucketserve-worker", tag.encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 
     async def _watched(self, awaitable: Awaitable[bytes], receive: Receive) -> bytes:
