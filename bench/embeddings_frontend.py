@@ -85,7 +85,7 @@ class Server:
         cmd = [sys.executable, "-c",
                "import sys; from bucketserve.server.cli import main; sys.exit(main())",
                "serve", "--port", str(self.port), "--buckets", str(buckets),
-               "--log-level", "info", *flags]
+               "--log-level", "warning", *flags]
         self.log_path = workdir / f"{name}.log"
         self.proc = subprocess.Popen(cmd, env=env, cwd=pythonpath,
                                      stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)

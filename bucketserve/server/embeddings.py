@@ -76,9 +76,9 @@ log = logging.getLogger("bucketserve.embeddings")
 
 # Requests with more inputs than this are serialised off the event loop.
 _INLINE_RENDER_MAX = 64
-# Requests with more texts than this are tokenized on their own (asyncio.to_thread), not
-# together with their neighbours (CoalescingTokenizer).
-_COALESCE_MAX_TEXTS = 256
+# Requests with more texts than this are tokenized on their own, in parallel threads
+# (asyncio.to_thread); smaller ones together with their neighbours (CoalescingTokenizer).
+_COALESCE_MAX_TEXTS = 8
 
 DEADLINE_HEADER = "X-Request-Deadline-Ms"
 
