@@ -589,7 +589,8 @@ def online(args: argparse.Namespace) -> dict:
         _wait_ready(base_url, None)
     try:
         results: dict = {"bench": "embeddings_gpu_online", "base_url": base_url,
-                         "encoding_format": args.encoding, "seconds_per_round": args.seconds}
+                         "encoding_format": args.encoding, "seconds_per_round": args.seconds,
+                         "serve_args": args.serve_args if args.launch else None}
         # warm-up: a few seconds of the heavier shape
         online_round(base_url, model, texts, 16, 32, 3.0, args.procs, args.encoding)
         for clients, per in ((64, 1), (16, 32)):

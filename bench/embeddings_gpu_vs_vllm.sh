@@ -18,7 +18,9 @@
 # as emb_all.tgz (the device tool brings back at most 8 files). SKIP_VLLM=1 skips vLLM; SKIP_ST=1 sentence-transformers; N (20000), ROUND_S (5) seconds per online round (3 rounds per shape, the median reported);
 # PARTS ("offline shapes online"): the parts to run (the summary reads every part's JSON in WORK, so
 # two calls on one machine, e.g. PARTS="offline shapes" then PARTS=online, give one table);
-# DTYPE float16; ST_BATCHES (32,128,512); REPEATS (3) timed offline runs per system.
+# DTYPE float16; ST_BATCHES (32,128,512); REPEATS (3) timed offline runs per system;
+# EMB_API_WORKERS (4): `bucketserve serve --api-workers` for the online part (each worker its own
+# encoder, graphs and batcher; 1 = the single-process server).
 set -u
 ROOT=$(pwd); DEST=${OUT:-/tmp/emb}; OUT=${WORK:-/tmp/emb_work}; N=${N:-20000}; SECONDS_PER=${ROUND_S:-5}; DTYPE=${DTYPE:-float16}
 SITE=${SITE:-${VLLM_SITE:-}}; M=/tmp/model-smollm2-135m-emb
@@ -47,7 +49,7 @@ if [ -z "${SKIP_ST:-}" ] && has shapes; then
 fi
 
 if has online; then
-echo "== online: bucketserve serve"
+echo "== online: bucketserve serve --api-workers ${EMB_API_WORKERS:-4}"
 python3 - "$TOK" "$M" <<'PY'
 import os, shutil, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -64,6 +66,7 @@ m.save_pretrained(d)
 PY
 $B online --launch --n "$N" --seconds "$SECONDS_PER" --json "$OUT/emb_online_ours.json" \
   --serve-args --model "$M" --embedding-model "$EMB_MODEL_DIR" --embedding-dtype "$DTYPE" \
+  --api-workers "${EMB_API_WORKERS:-4}" \
   > "$OUT/emb_online_ours.log" 2>&1 || tail -30 "$OUT/emb_online_ours.log"
 grep '"clients"' "$OUT/emb_online_ours.log"
 

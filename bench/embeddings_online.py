@@ -18,7 +18,7 @@ sizes come from its /metrics, counted over the measured rounds only.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/embeddings_online.py [--n 600] [--clients 16]
         [--repeats 2] [--buckets FILE] [--boundaries 16,32,...] [--max-merged-padding F]
-        [--baselines st-per-request,ours-per-request]
+        [--baselines st-per-request,ours-per-request] [--other-bucketserve before=CHECKOUT]
 """
 
 from __future__ import annotations
@@ -115,10 +115,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(name: str, cmd: list[str], port: int, logdir: Path) -> subprocess.Popen:
+def start(name: str, cmd: list[str], port: int, logdir: Path,
+          pythonpath: str | None = None) -> subprocess.Popen:
     log = open(logdir / f"{name}.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            cwd=pythonpath)
     proc.bench_name = name  # type: ignore[attr-defined]
     proc.bench_url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     return proc
@@ -202,6 +206,9 @@ def main() -> None:
     p.add_argument("--max-merged-padding", type=float, default=None,
                    help="[embedding] max_merged_padding for bucketserve (overrides --buckets)")
     p.add_argument("--baselines", default="st-per-request,ours-per-request")
+    p.add_argument("--other-bucketserve", action="append", default=[], metavar="NAME=CHECKOUT",
+                   help="also serve bucketserve from this checkout (e.g. the code before a "
+                        "change), measured in the same rounds as a baseline named NAME")
     p.add_argument("--json", default=None)
     p.add_argument("--serve-baseline", default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
@@ -240,6 +247,14 @@ def main() -> None:
     procs["bucketserve"] = start("bucketserve", [*bucketserve, "serve", "--port", str(port),
                                                  "--buckets", str(toml), "--embedding-model",
                                                  MODEL, "--log-level", "warning"], port, logdir)
+    for spec in args.other_bucketserve:
+        name, checkout = spec.split("=", 1)
+        port = free_port()
+        procs[name] = start(name, [sys.executable, "-c", "import sys; from bucketserve.server."
+                                   "cli import main; sys.exit(main())", "serve", "--port",
+                                   str(port), "--buckets", str(toml), "--embedding-model", MODEL,
+                                   "--log-level", "warning"], port, logdir,
+                            pythonpath=str(Path(checkout).resolve()))
     for mode in [b for b in args.baselines.split(",") if b]:
         port = free_port()
         procs[mode] = start(mode, [sys.executable, __file__, "--serve-baseline", mode,

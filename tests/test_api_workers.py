@@ -72,13 +72,37 @@ def test_api_workers_flag() -> None:
         parse(["serve", "--api-workers", "0"])
 
 
-def test_embeddings_with_several_workers_are_refused(tmp_path) -> None:
-    from server_launch import command
+def test_two_workers_both_serve_embeddings(tmp_path) -> None:
+    """Each worker loads its own encoder: requests on new connections reach both, and every
+    answer is the vector of its own text."""
+    srv = start_server(tmp_path, "emb-workers", KV + "[embedding]\nmax_queue_delay_ms = 1.0\n",
+                       "--api-workers", "2", "--embedding-model", "all-minilm-l6-v2")
+    try:
+        texts = [f"text number {i} for the workers" for i in range(24)]
 
-    proc = subprocess.run([*command(), "serve", "--api-workers", "2", "--port", "1"],
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert proc.returncode == 2 and "--embedding-model none" in proc.stderr
+        def one(text: str) -> tuple[str, list[float]]:  # a new connection each
+            r = httpx.post(srv.base_url + "/v1/embeddings", json={"input": [text, "same"]},
+                           timeout=300)
+            assert r.status_code == 200, r.text
+            data = r.json()["data"]
+            return r.headers["x-bucketserve-worker"], [d["embedding"] for d in data]
+
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(one, texts))
+        assert {w for w, _ in got} == {"w0", "w1"}
+        import numpy as np
+
+        vecs = np.array([v[0] for _, v in got])
+        same = np.array([v[1] for _, v in got])
+        assert np.allclose(same, same[0], atol=1e-5)  # both workers: the same encoder
+        # every answer belongs to its own text: distinct texts, distinct vectors
+        sims = vecs @ vecs.T / np.outer(np.linalg.norm(vecs, axis=1), np.linalg.norm(vecs, axis=1))
+        assert (sims[~np.eye(len(texts), dtype=bool)] < 0.9999).all()
+        assert srv.stop() == 0, srv.log()
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait()
 
 
 @pytest.fixture

@@ -491,3 +491,35 @@ def test_overloaded_deadline_queue_drains_no_slower_than_fixed_delays():
     _, fb_end = run(max_queue_delay_s=0.0, latency_slo_s=0.050, cost=FixedCost(cost))
     fixed = {ms: run(max_queue_delay_s=ms / 1000)[1] for ms in (0, 5, 50, 200)}
     assert fb_end < min(fixed.values()), (fb_end, fixed)
+
+
+def test_add_says_when_the_wake_up_time_may_have_moved():
+    """The batcher notifies its sleeping worker only when add returns True: the answer must be
+    True whenever next_wake moved earlier."""
+    q = make()
+    assert q.add(Req(), [ids(1, 3)], 0, now=100.0)  # an empty bucket gets its first input
+    wake = q.next_wake(100.001)
+    assert not q.add(Req(), [ids(2, 3)], 0, now=100.001)  # same oldest input: same wake-up
+    assert not q.add(Req(), [ids(3, 3)], 0, now=100.002)
+    assert q.next_wake(100.002) == wake
+    assert q.add(Req(), [ids(4, 3)], 0, now=100.003)  # the bucket is full: ready now
+    assert q.next_wake(100.003) == 100.003
+    assert q.add(Req(), [ids(5, 6)], 0, now=100.004)  # another, empty bucket
+    assert q.add(Req(), [ids(6, 6)], 0, now=100.005, deadline=100.05)  # a deadline
+    slo = make(latency_slo_s=0.05)
+    assert slo.add(Req(), [ids(1, 3)], 0, now=0.0)
+    assert slo.add(Req(), [ids(2, 3)], 0, now=0.001)  # every input has the SLO's deadline
+    # randomized: whenever next_wake moved earlier, add said so
+    rng = random.Random(0)
+    q = make()
+    now = 0.0
+    for _ in range(400):
+        now += rng.random() * 0.004
+        before = q.next_wake(now)
+        moved = q.add(Req(), [ids(0, rng.randint(1, 16)) for _ in range(rng.randint(1, 2))], 0,
+                      now=now)
+        after = q.next_wake(now)
+        if before is None or after < before:
+            assert moved
+        if rng.random() < 0.3:
+            q.pop_batch(now)

@@ -124,19 +124,30 @@ class _Request:
 
     def resolve(self, result: list[np.ndarray] | BaseException) -> None:
         """Resolves the future on its own event loop (called from the worker thread)."""
+        resolve_all([(self, result)])
+
+
+def resolve_all(done: list[tuple[_Request, list[np.ndarray] | BaseException]]) -> None:
+    """Resolves these requests' futures: one call_soon_threadsafe (one wake-up of the event
+    loop) per loop, not per request."""
+    loops: dict[asyncio.AbstractEventLoop, list] = {}
+    for request, result in done:
+        loops.setdefault(request.loop, []).append((request.future, result))
+    for loop, items in loops.items():
         try:
-            self.loop.call_soon_threadsafe(_resolve, self.future, result)
+            loop.call_soon_threadsafe(_resolve_many, items)
         except RuntimeError:  # that loop is closed: nobody is waiting any more
             pass
 
 
-def _resolve(future: asyncio.Future, result: list[np.ndarray] | BaseException) -> None:
-    if future.done():  # the awaiting task was cancelled
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
+def _resolve_many(items: list[tuple[asyncio.Future, list[np.ndarray] | BaseException]]) -> None:
+    for future, result in items:
+        if future.done():  # the awaiting task was cancelled
+            continue
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
 
 
 @dataclass
@@ -291,9 +302,11 @@ class EmbeddingBatcher:
                 self._finish(request, None)
             raise
 
-    def _finish(self, request: _Request, result: list[np.ndarray] | BaseException | None) -> None:
+    def _finish(self, request: _Request, result: list[np.ndarray] | BaseException | None,
+                resolved: list | None = None) -> None:
         """Under the lock: the one place a request leaves the waiting set (result None: the
-        caller is gone, nothing to resolve)."""
+        caller is gone, nothing to resolve). resolved: collects (request, result) for one
+        resolve_all later instead of resolving now."""
         if request.done:
             return
         request.done = True
@@ -301,7 +314,10 @@ class EmbeddingBatcher:
         if request.remaining and not isinstance(result, list):
             self.queue.mark_dead(self.spec.boundaries)  # sweep its queued inputs out
         if result is not None:
-            request.resolve(result)
+            if resolved is not None:
+                resolved.append((request, result))
+            else:
+                request.resolve(result)
 
     def _submit(self, request: _Request, token_id_lists: Sequence[Sequence[int]],
                 priority: int, deadline: float | None = None) -> None:
@@ -311,10 +327,12 @@ class EmbeddingBatcher:
             if self._num_waiting_requests >= self.max_waiting:
                 raise QueueFullError(f"{self._num_waiting_requests} embedding requests are "
                                      "waiting (max_waiting); retry later")
-            self.queue.add(request, token_id_lists, priority, time.monotonic(), deadline)
+            moved = self.queue.add(request, token_id_lists, priority, time.monotonic(),
+                                   deadline)
             self._num_waiting_requests += 1
             self.stats.num_requests += 1
-            self._cond.notify()
+            if moved:  # else the worker's wake-up time stands: no thread switch per request
+                self._cond.notify()
 
     # ------------------------------------------------------------------ worker thread
     def _run_loop(self) -> None:
@@ -386,6 +404,7 @@ class EmbeddingBatcher:
         self.stats.record_batch(batch.length, [item.length for item in batch.items],
                                 [running.start - item.arrival for item in batch.items],
                                 batch.merged, running.ticket.padded_rows)
+        resolved: list = []
         with self._cond:
             for r, item in enumerate(batch.items):
                 req = item.request
@@ -394,7 +413,8 @@ class EmbeddingBatcher:
                 req.results[item.index] = out[r]
                 req.remaining -= 1
                 if req.remaining == 0:
-                    self._finish(req, req.results)  # type: ignore[arg-type]
+                    self._finish(req, req.results, resolved)  # type: ignore[arg-type]
+        resolve_all(resolved)
 
 
 async def embed_texts(batcher: EmbeddingBatcher,

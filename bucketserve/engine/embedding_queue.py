@@ -217,14 +217,18 @@ class BucketQueue:
 
     # ------------------------------------------------------------------ adding / removing
     def add(self, request: Any, id_lists: Iterable[Any], priority: int, now: float,
-            deadline: float | None = None) -> None:
+            deadline: float | None = None) -> bool:
         """Queue every input of `request` (lengths must be 1..spec.max_len). deadline: when
-        its batches must have finished (finish_by); None: the SLO's, or none without one."""
+        its batches must have finished (finish_by); None: the SLO's, or none without one.
+        Returns whether next_wake may have moved earlier (a bucket that was empty, one that
+        is now full, or inputs with a deadline): else a worker asleep until next_wake need
+        not wake for these inputs."""
         prio = priority if self.use_priority else 0
         if deadline is None or deadline == math.inf:
             deadline = finish_by(now, self.latency_slo_s) if self.latency_slo_s else math.inf
         elif deadline - now > self._max_budget_s:
             self._max_budget_s = deadline - now
+        moved = deadline < math.inf
         lookup = self.spec.lookup
         for index, ids in enumerate(id_lists):
             n = len(ids)
@@ -238,7 +242,10 @@ class BucketQueue:
             if deadline < math.inf:
                 heapq.heappush(bucket.deadlines, (deadline, self._seq, item))
             bucket.live += 1
+            if bucket.live == 1 or bucket.live >= self.capacity(length):
+                moved = True
             self._seq += 1
+        return moved
 
     def mark_dead(self, bucket_lengths: Iterable[int]) -> None:
         """A request queued in these buckets finished early: sweep its inputs out of them."""

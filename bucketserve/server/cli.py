@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nvtx", action="store_true", help="NVTX range per engine step (cuda; for Nsight Systems)")
     s.add_argument("--api-workers", type=_api_workers, default=1, metavar="N",
                    help="HTTP front-end processes sharing the port (SO_REUSEPORT), all fed by the "
-                        "one engine core; 'auto': one per 4 CPU cores, at most 8. More than 1 "
-                        "serves generation only (needs --embedding-model none)")
+                        "one engine core; 'auto': one per 4 CPU cores, at most 8. With embeddings, "
+                        "each worker loads its own encoder and batches its own requests")
     from bucketserve.bench.cli import add_bench_parser, add_tune_parser
 
     add_bench_parser(sub)

@@ -18,26 +18,41 @@ value is refused with 400 before any work.
 
 On a CUDA device the encoder runs as CUDA graphs, one per (batch size, length bucket), captured
 when the service is built, before the server accepts requests (engine/embedding_runner.py).
+
+The route is lean, as the per-token SSE path is (bench/embeddings_frontend.py measures it):
+a plain ASGI endpoint instead of FastAPI's request handling. The body is decoded by msgspec
+into `FastEmbeddingRequest` (the fields and types of `EmbeddingRequest`); a body msgspec
+refuses (rare: bad JSON, a wrong type, a lone surrogate, a non-JSON content type) goes
+through FastAPI's own steps (json, then the pydantic model), so its error body is the one
+FastAPI gave. The response is written as bytes (one msgspec call per vector, base64 of the
+whole batch at once), without building a dict per vector. Clients that go away are found by
+one watcher task per service that polls the requests older than DISCONNECT_POLL_S, not by a
+task per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
+import email.message
 import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Annotated, Any, Literal
 
+import anyio
+import msgspec
 import numpy as np
 import torch
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi import APIRouter
+from fastapi.exceptions import RequestValidationError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from starlette.types import Receive, Scope, Send
 
 from bucketserve.buckets import BucketsConfig, load_buckets
 from bucketserve.engine.embedding_batcher import (
@@ -52,16 +67,18 @@ from bucketserve.engine.embedding_runner import CudaGraphRunner
 from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.outputs import QueueFullError
 from bucketserve.models.bert_loader import LoadedEmbeddingModel, load_embedding_model
-from bucketserve.server.errors import APIError, invalid_request, overloaded
-from bucketserve.server.generation import ClientGone, until_disconnect
-from bucketserve.server.protocol import check_text
+from bucketserve.server.errors import APIError, invalid_request, overloaded, validation_message
+from bucketserve.server.generation import DISCONNECT_POLL_S, ClientGone
+from bucketserve.server.protocol import check_text, worker_tag
 from bucketserve.server.request_log import RequestLog
 
 log = logging.getLogger("bucketserve.embeddings")
 
-# Requests with more inputs than these are tokenized / serialised off the event loop.
-_INLINE_TOKENIZE_MAX = 8
+# Requests with more inputs than this are serialised off the event loop.
 _INLINE_RENDER_MAX = 64
+# Requests with more texts than this are tokenized on their own, in parallel threads
+# (asyncio.to_thread); smaller ones together with their neighbours (CoalescingTokenizer).
+_COALESCE_MAX_TEXTS = 8
 
 DEADLINE_HEADER = "X-Request-Deadline-Ms"
 
@@ -83,6 +100,194 @@ class EmbeddingRequest(BaseModel):
     @classmethod
     def refuse_lone_surrogates(cls, data: Any) -> Any:
         return check_text(data)
+
+
+class FastEmbeddingRequest(msgspec.Struct):
+    """EmbeddingRequest's fields with the same types and bounds, for msgspec's decoder (no
+    bool for an int, no float for an int, unknown fields ignored). A body it refuses is
+    decoded again by `EmbeddingRequest`, whose error is the one sent (decode_request)."""
+
+    input: Any
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    priority: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
+
+
+_decode_fast = msgspec.json.Decoder(FastEmbeddingRequest).decode
+_encode = msgspec.json.encode
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's test of a JSON body (strict content type: a body without one is not JSON)."""
+    if not content_type:
+        return False
+    if content_type == "application/json":
+        return True
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json"))
+
+
+def decode_request(body: bytes, content_type: str | None
+                   ) -> FastEmbeddingRequest | EmbeddingRequest:
+    """The request body as an object with EmbeddingRequest's fields; APIError 400 when it is
+    not one, with the message FastAPI's handling of `EmbeddingRequest` gave."""
+    if body and _is_json(content_type):
+        try:
+            return _decode_fast(body)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            pass  # FastAPI's steps below find the error and word it
+    if not body:
+        raise _invalid(RequestValidationError([{"type": "missing", "loc": ("body",),
+                                                "msg": "Field required", "input": None}]))
+    value: Any = body
+    if _is_json(content_type):
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise _invalid(RequestValidationError([{
+                "type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+                "input": {}, "ctx": {"error": exc.msg}}])) from None
+        except Exception:  # e.g. nesting deeper than the recursion limit
+            raise APIError(400, "There was an error parsing the body", "invalid_request_error",
+                           code=400) from None
+    try:
+        return EmbeddingRequest.model_validate(value, from_attributes=True)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+        raise _invalid(RequestValidationError(errors)) from None
+
+
+def _invalid(exc: RequestValidationError) -> APIError:
+    return invalid_request(*validation_message(exc))
+
+
+_Job = tuple[list[str], "int | None", asyncio.Future]
+
+
+class CoalescingTokenizer:
+    """Tokenizes the texts of concurrent requests together, off the event loop.
+
+    A request's texts join a pending list; when no tokenization runs, the whole list goes to
+    one helper thread as one `encode_batch` call per truncation length (the tokenizers
+    library encodes a batch on all cores with the GIL released), and the requests that come
+    while it runs make the next call. So 64 clients sending one text each cost one call, not
+    64 on the event loop, and a lone request waits for no one. Results come back to the event
+    loop in one call_soon_threadsafe per call. A ValueError (a truncation length too short)
+    is the failing request's alone: that group is then encoded request by request."""
+
+    def __init__(self, encode_batch: Any) -> None:
+        self._encode = encode_batch
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[_Job] = []
+        self._running = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def encode(self, texts: list[str], max_len: int | None) -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # (in-process tests run one event loop after another)
+            self._loop, self._pending, self._running = loop, [], False
+        future = loop.create_future()
+        self._pending.append((texts, max_len, future))
+        if not self._running:
+            self._start(loop)
+        return await future
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        jobs = [job for job in self._pending if not job[2].done()]  # cancelled: dropped
+        self._pending = []
+        if not jobs:
+            self._running = False
+            return
+        self._running = True
+
+        def done(results: list) -> None:
+            self._finish(loop, jobs, results)
+
+        def run() -> None:
+            results = self._run(jobs)
+            try:
+                loop.call_soon_threadsafe(done, results)
+            except RuntimeError:  # that loop is closed: nobody is waiting any more
+                pass
+
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._pool.submit(run)
+
+    def _run(self, jobs: list[_Job]) -> list:
+        """In the helper thread: per job, its token ids or the exception it raised."""
+        results: list = [None] * len(jobs)
+        groups: dict[int | None, list[int]] = {}
+        for i, (_, max_len, _) in enumerate(jobs):
+            groups.setdefault(max_len, []).append(i)
+        for max_len, members in groups.items():
+            texts = [t for i in members for t in jobs[i][0]]
+            try:
+                ids = self._encode(texts, max_len)
+            except Exception:  # find whose: one call per request of this group
+                for i in members:
+                    try:
+                        results[i] = self._encode(jobs[i][0], max_len)
+                    except Exception as exc:
+                        results[i] = exc
+                continue
+            start = 0
+            for i in members:
+                n = len(jobs[i][0])
+                results[i] = ids[start:start + n]
+                start += n
+        return results
+
+    def _finish(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job], results: list) -> None:
+        for (_, _, future), result in zip(jobs, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        if loop is self._loop:
+            self._start(loop)
+
+
+class _Watched:
+    __slots__ = ("receive", "since", "gone")
+
+    def __init__(self, receive: Receive, since: float) -> None:
+        self.receive = receive
+        self.since = since
+        self.gone = False
+
+
+async def _disconnected(receive: Receive) -> bool:
+    """Whether the client has gone, without waiting (as starlette's Request.is_disconnected)."""
+    message: dict = {}
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        message = await receive()  # type: ignore[assignment]
+    return message.get("type") == "http.disconnect"
+
+
+class _Endpoint:
+    """POST /v1/embeddings as a plain ASGI app (a class instance: starlette's Route calls it
+    as it is, without its request/response wrapping)."""
+
+    def __init__(self, service: EmbeddingService) -> None:
+        self.service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.service.handle(scope, receive, send)
 
 
 class BatcherStatsCollector(Collector):
@@ -161,6 +366,9 @@ class EmbeddingService:
         # Longest input served: the model's limit, or a smaller last bucket from the user's file.
         self.max_input_tokens = min(loaded.max_seq_length, self.batcher.max_len)
         self.metrics_collector = BatcherStatsCollector(self.batcher)
+        self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
+        self._watching: dict[asyncio.Task, _Watched] = {}
+        self._watcher: asyncio.Future | None = None
         self.router = self._build_router()
 
     async def start(self) -> None:
@@ -168,6 +376,7 @@ class EmbeddingService:
 
     async def shutdown(self, timeout_s: float) -> None:
         await self.batcher.shutdown(timeout_s)
+        self.tokenizer.close()
 
     def is_alive(self) -> bool:
         return self.batcher.is_alive()
@@ -175,23 +384,93 @@ class EmbeddingService:
     # ------------------------------------------------------------------ request handling
     def _build_router(self) -> APIRouter:
         router = APIRouter()
+        router.add_route("/v1/embeddings", _Endpoint(self), methods=["POST"])
+        return router
 
-        @router.post("/v1/embeddings")
-        async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
-            ctx = getattr(request.app.state, "ctx", None)
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One request, from its ASGI messages to its response."""
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        content_type = deadline = None
+        for name, value in scope["headers"]:
+            if name == b"content-type" and content_type is None:
+                content_type = value.decode("latin-1")
+            elif name == b"x-request-deadline-ms" and deadline is None:
+                deadline = value.decode("latin-1")
+        state = getattr(scope.get("app"), "state", None)
+        ctx = getattr(state, "ctx", None)
+        try:
+            request = decode_request(body, content_type)
             if ctx is not None and ctx.inflight.draining:
                 raise overloaded("the server is shutting down; retry later", "shutting_down")
             request_log = getattr(getattr(ctx, "metrics", None), "request_log", None)
-            deadline = request.headers.get(DEADLINE_HEADER)
-            try:  # a client gone drops its inputs that are still queued (batcher.embed)
-                return await until_disconnect(request, self.create(body, request_log, deadline))
-            except ClientGone:
-                return Response(status_code=499)
+            # a client gone drops its inputs that are still queued (batcher.embed)
+            content = await self._watched(self.create(request, request_log, deadline),
+                                          receive)
+        except APIError as err:
+            await err.response()(scope, receive, send)
+            return
+        except ClientGone:  # nobody reads it; nginx's "client closed request"
+            content, status = b"", 499
+        else:
+            status = 200
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(content)).encode())]
+        tag = worker_tag()
+        if tag is not None:  # --api-workers: which front end answered
+            headers.append((b"x-bucketserve-worker", tag.encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
 
-        return router
+    async def _watched(self, awaitable: Awaitable[bytes], receive: Receive) -> bytes:
+        """Awaits in this task; the service's watcher cancels it when its client goes away
+        (then ClientGone)."""
+        task = asyncio.current_task()
+        assert task is not None
+        entry = _Watched(receive, time.monotonic())
+        self._watching[task] = entry
+        watcher = self._watcher
+        if watcher is None or watcher.done() or watcher.get_loop() is not task.get_loop():
+            self._watcher = asyncio.ensure_future(self._watch_clients())
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if entry.gone:
+                task.uncancel()
+                raise ClientGone() from None
+            raise
+        finally:
+            del self._watching[task]
 
-    async def create(self, body: EmbeddingRequest, request_log: RequestLog | None = None,
-                     deadline_header: str | None = None) -> Response:
+    async def _watch_clients(self) -> None:
+        """Every DISCONNECT_POLL_S while requests are in flight: cancels those whose client
+        has gone (their queued inputs are dropped, batcher.embed)."""
+        me = asyncio.current_task()
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if not self._watching:
+                break
+            now = time.monotonic()
+            for task, entry in list(self._watching.items()):
+                if entry.gone or now - entry.since < DISCONNECT_POLL_S or task.done():
+                    continue
+                if await _disconnected(entry.receive):
+                    entry.gone = True
+                    task.cancel()
+        if self._watcher is me:
+            self._watcher = None
+
+    async def create(self, body: EmbeddingRequest | FastEmbeddingRequest,
+                     request_log: RequestLog | None = None,
+                     deadline_header: str | None = None) -> bytes:
+        """The response body for one decoded request (APIError when it cannot be served)."""
         arrival = time.monotonic()
         budget_s = parse_deadline_ms(deadline_header, self.queue_timeout_s)
         self._check_fields(body)
@@ -214,12 +493,11 @@ class EmbeddingService:
             request_log.record_embeddings(arrival, lengths, [spec.lookup(n) for n in lengths])
         args = (vectors, body.encoding_format, self.model_name, used)
         if len(vectors) <= _INLINE_RENDER_MAX:
-            content = _render(*args)
-        else:  # a large float body takes long to serialise: keep the event loop free
-            content = await asyncio.to_thread(_render, *args)
-        return Response(content, media_type="application/json")
+            return _render(*args)
+        # a large float body takes long to serialise: keep the event loop free
+        return await asyncio.to_thread(_render, *args)
 
-    def _check_fields(self, body: EmbeddingRequest) -> None:
+    def _check_fields(self, body: EmbeddingRequest | FastEmbeddingRequest) -> None:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist here; /v1/embeddings "
                            f"serves {self.model_name!r} (see GET /v1/models)",
@@ -238,7 +516,8 @@ class EmbeddingService:
             raise invalid_request("truncate_prompt_tokens must be >= 1, or -1 for the model's "
                                   "maximum input length", "truncate_prompt_tokens")
 
-    async def _token_ids(self, body: EmbeddingRequest) -> list[list[int]]:
+    async def _token_ids(self, body: EmbeddingRequest | FastEmbeddingRequest
+                         ) -> list[list[int]]:
         """Token ids per input (truncated when asked); refuses empty, too many, too long."""
         inputs = parse_input(body.input)
         if len(inputs) > self.max_inputs:
@@ -253,8 +532,8 @@ class EmbeddingService:
         if isinstance(inputs[0], str):
             texts: list[str] = inputs  # type: ignore[assignment]
             try:
-                if len(texts) <= _INLINE_TOKENIZE_MAX:
-                    token_ids = self.loaded.tokenizer.encode_batch(texts, max_len)
+                if len(texts) <= _COALESCE_MAX_TEXTS:
+                    token_ids = await self.tokenizer.encode(texts, max_len)
                 else:
                     token_ids = await asyncio.to_thread(self.loaded.tokenizer.encode_batch,
                                                         texts, max_len)
@@ -327,28 +606,36 @@ def parse_input(inp: Any) -> list[str] | list[list[int]]:
 
 def base64_rows(mat: np.ndarray) -> list[str]:
     """OpenAI's base64 encoding of each row of mat [N, D]: the row's little-endian float32
-    bytes. When a row is a multiple of 3 bytes (D % 3 == 0: 384, 768, ...), base64 of the
-    whole matrix splits exactly at row boundaries: one encode for the batch, then slices."""
+    bytes (see base64_rows_bytes)."""
+    return [row.decode("ascii") for row in base64_rows_bytes(mat)]
+
+
+def base64_rows_bytes(mat: np.ndarray) -> list[bytes]:
+    """base64_rows as ASCII bytes. When a row is a multiple of 3 bytes (D % 3 == 0: 384,
+    768, ...), base64 of the whole matrix splits exactly at row boundaries: one encode for
+    the batch, then slices."""
     mat = np.ascontiguousarray(mat, dtype="<f4")
     row_bytes = mat.shape[1] * 4
     if row_bytes % 3:
-        return [base64.b64encode(row.tobytes()).decode("ascii") for row in mat]
-    text = base64.b64encode(mat.tobytes()).decode("ascii")
+        return [base64.b64encode(row.tobytes()) for row in mat]
+    text = base64.b64encode(mat.tobytes())
     step = row_bytes // 3 * 4
     return [text[i:i + step] for i in range(0, len(text), step)]
 
 
 def _render(vectors: list[np.ndarray], encoding_format: str, model: str, used: int) -> bytes:
-    """OpenAI's response body, vectors in input order."""
+    """OpenAI's response body, vectors in input order, written as bytes: floats are each
+    float32's value as a JSON number that reads back to it (msgspec writes the shortest
+    decimal of the double), base64 strings need no escaping."""
     mat = np.stack(vectors)  # [N, D] float32
     if encoding_format == "base64":
-        embeddings: list = base64_rows(mat)
+        items = [b'"' + row + b'"' for row in base64_rows_bytes(mat)]
     else:
-        embeddings = mat.tolist()
-    data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(embeddings)]
-    body = {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": used, "total_tokens": used}}
-    return json.dumps(body, separators=(",", ":")).encode()
+        items = [_encode(row) for row in mat.tolist()]
+    data = b",".join([b'{"object":"embedding","index":%d,"embedding":%s}' % (i, e)
+                      for i, e in enumerate(items)])
+    return (b'{"object":"list","data":[' + data + b'],"model":' + _encode(model)
+            + b',"usage":{"prompt_tokens":%d,"total_tokens":%d}}' % (used, used))
 
 
 def build_add_on(model: str = "all-minilm-l6-v2", device: str = "cpu",

@@ -73,7 +73,7 @@ def overloaded(message: str, code: str) -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable line from pydantic's error list, and the offending top-level field."""
     errors = exc.errors()
     if not errors:
@@ -113,7 +113,7 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return invalid_request(message, param).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -213,22 +213,17 @@ class BodySizeLimitMiddleware:
                 return
 
         body = bytearray()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.body_timeout_s
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:  # a client sending its body slowly, or not at all
-                await self._reject_slow(scope, send, len(body))
-                return
-            if message["type"] != "http.request":  # the client left before sending it all
-                return
-            body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                await self._reject(scope, send, len(body))
-                return
-            if not message.get("more_body", False):
-                break
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
+        try:
+            state = await _read_body(receive, body, self.max_bytes, deadline)
+        except asyncio.TimeoutError:  # a client sending its body slowly, or not at all
+            await self._reject_slow(scope, send, len(body))
+            return
+        if state == "gone":  # the client left before sending it all
+            return
+        if state == "too_large":
+            await self._reject(scope, send, len(body))
+            return
 
         replayed = False
 
@@ -253,6 +248,27 @@ class BodySizeLimitMiddleware:
                           f"{self.max_bytes} bytes (--max-body-bytes)",
                           "invalid_request_error", None, "request_too_large")
         await ErrorResponse(body, status_code=413)(scope, _no_receive, send)
+
+
+async def _read_body(receive: Receive, body: bytearray, max_bytes: int, deadline: float) -> str:
+    """Appends the request's body messages to `body` until the last one ("done"), more than
+    max_bytes ("too_large") or a disconnect ("gone"); asyncio.TimeoutError at `deadline`
+    (loop time). One timeout scope for the whole body, not a wait_for (a task) per message."""
+    timeout_at = getattr(asyncio, "timeout_at", None)  # Python >= 3.11
+    loop = asyncio.get_running_loop()
+    while True:
+        if timeout_at is not None:
+            async with timeout_at(deadline):
+                message = await receive()
+        else:
+            message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+        if message["type"] != "http.request":
+            return "gone"
+        body += message.get("body", b"")
+        if len(body) > max_bytes:
+            return "too_large"
+        if not message.get("more_body", False):
+            return "done"
 
 
 async def _no_receive() -> Message:

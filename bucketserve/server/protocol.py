@@ -51,6 +51,11 @@ def set_worker_id_tag(worker: int) -> None:
     _ID_TAG = f"w{worker}-"
 
 
+def worker_tag() -> str | None:
+    """This front end's tag ("w1") under --api-workers, else None."""
+    return _ID_TAG[:-1] or None
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{_ID_TAG}{uuid.uuid4().hex}"
 

@@ -24,9 +24,13 @@ front end sustains on a CPU). So the front end can run in N processes:
   answering /health with 200 and exits 1; this process then exits 1. A worker dies: the
   others are stopped the same way and this process exits non-zero (a supervisor restarts
   the whole server; a core that kept the dead worker's requests would waste the GPU).
-- Embeddings are not served with N > 1 (the encoder and its batcher live in a front-end
-  process, and N copies would split its batches and its GPU memory N ways); the CLI refuses
-  the combination: run a separate server for /v1/embeddings.
+- Embeddings: every worker loads its own encoder and batcher (MiniLM: 90 MB of weights; on
+  CUDA each process captures its own graphs), so the N front ends also share the
+  /v1/embeddings work: each batches the requests of its own connections (batches are up to
+  N times smaller at the same load; on a GPU the host side, not the device, was the limit).
+  On the CPU each worker's encoder gets cpu_count / N torch threads. The embedding series of
+  /metrics (bucketserve_embedding_*) are those of the worker that answers the scrape, and
+  each embeddings response names its worker in the header X-Bucketserve-Worker.
 """
 
 from __future__ import annotations
@@ -64,10 +68,6 @@ def serve_workers(args: argparse.Namespace) -> int:
     from bucketserve.engine.core_client import spawn_core
 
     n = args.api_workers
-    if args.embedding_model.lower() != "none":
-        print("bucketserve: error: --api-workers > 1 serves generation only: add "
-              "--embedding-model none (and serve embeddings from another server)", file=sys.stderr)
-        return 2
     if args.engine_in_process:
         print("bucketserve: error: --api-workers > 1 needs the engine core in its own process",
               file=sys.stderr)
@@ -158,12 +158,16 @@ def run_worker(args: argparse.Namespace, index: int, directory: str, core_pid: i
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     import torch
 
+    from bucketserve.buckets import ConfigError, load_buckets
     from bucketserve.engine.async_engine import AsyncEngine
     from bucketserve.engine.core_client import CoreStartError, ProcessCore
-    from bucketserve.server.cli import run_http
+    from bucketserve.server.cli import load_add_ons, run_http
     from bucketserve.server.protocol import set_worker_id_tag
 
-    torch.set_num_threads(1)  # no model work here
+    embeds = args.embedding_model.lower() != "none"
+    # no generation work here; the embedding encoder's share of the cores on a CPU
+    threads = max(1, (os.cpu_count() or 1) // args.api_workers)
+    torch.set_num_threads(threads if embeds and args.device == "cpu" else 1)
     set_worker_id_tag(index)
     try:
         core = ProcessCore.attach(directory, index, core_pid)
@@ -172,10 +176,13 @@ def run_worker(args: argparse.Namespace, index: int, directory: str, core_pid: i
         sys.exit(2)
     if index == 0:
         log.info("engine core ready in process %d", core.pid)
+    engine = AsyncEngine(core)
     try:
+        add_ons = load_add_ons(args, load_buckets(args.buckets,
+                                                  max_model_len=engine.max_model_len))
         sock = listening_socket(args.host, args.port)
-    except OSError as exc:
+    except (ConfigError, FileNotFoundError, ValueError, OSError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
         core.stop(1.0)
         sys.exit(2)
-    sys.exit(run_http(args, AsyncEngine(core), [], sockets=[sock]))
+    sys.exit(run_http(args, engine, add_ons, sockets=[sock]))

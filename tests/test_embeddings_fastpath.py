@@ -1,0 +1,139 @@
+"""The lean /v1/embeddings route decodes bodies with msgspec (server/embeddings.py,
+decode_request): every body must come out as FastAPI's handling of the pydantic
+EmbeddingRequest made it, the same fields for a valid one, the same status and error body for
+a bad one. The reference here is a FastAPI route over EmbeddingRequest, in the same process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import numpy as np
+import pytest
+from fastapi import FastAPI
+
+from bucketserve.server.embeddings import (
+    EmbeddingRequest,
+    FastEmbeddingRequest,
+    _render,
+    decode_request,
+)
+from bucketserve.server.errors import APIError, install_exception_handlers
+
+FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
+          "priority")
+JSON = "application/json"
+DEEP = b'{"x": ' + b"[" * 50_000 + b"]" * 50_000 + b', "input": "a"}'
+
+CASES: list[tuple[bytes, str | None]] = [
+    (b'{"input": "hello"}', JSON),
+    (b'{"input": ["a", "b"], "model": "m", "encoding_format": "base64", "user": "u"}', JSON),
+    (b'{"input": [[101, 102]], "truncate_prompt_tokens": -1, "priority": -5}', JSON),
+    (b'{"input": "x", "dimensions": 384, "extra": {"nested": [1, 2]}}', JSON),
+    (b'{"input": "x", "input": "y"}', JSON),  # duplicate key: the last wins
+    (b'{"input": null}', JSON),
+    (b'{"input": "x", "extra": NaN}', JSON),  # Python's json takes NaN; msgspec does not
+    (b'{"input": [NaN]}', JSON),
+    (b'{"input": "\\ud83d\\ude00"}', JSON),  # a surrogate pair is text
+    (b'{"input": "x", "priority": 9223372036854775807}', JSON),
+    (b'{"input": [1, 2, 123456789012345678901234567890]}', JSON),
+    (b'{"input": "hello"}', "application/vnd.api+json"),
+    (b'{"input": "hello"}', "application/json; charset=utf-8"),
+    # refused
+    (b'{"input": "\\ud800"}', JSON),
+    (b'{"input": ["fine", "\\udc00x"]}', JSON),
+    (b'{"input": "x", "extra": "\\ud800"}', JSON),
+    (b'{"input": "x", "dimensions": true}', JSON),
+    (b'{"input": "x", "dimensions": 1.0}', JSON),
+    (b'{"input": "x", "dimensions": "3"}', JSON),
+    (b'{"input": "x", "priority": 9223372036854775808}', JSON),
+    (b'{"input": "x", "truncate_prompt_tokens": -2}', JSON),
+    (b'{"input": "x", "encoding_format": "int8"}', JSON),
+    (b'{"input": "x", "model": 5}', JSON),
+    (b'{"input": "x", "user": ["u"]}', JSON),
+    (b'{"model": "m"}', JSON),
+    (b"{}", JSON),
+    (b"[]", JSON),
+    (b"null", JSON),
+    (b"0", JSON),
+    (b'"input"', JSON),
+    (b'{"input": "x"', JSON),
+    (b"\xff{}", JSON),
+    (b"", JSON),
+    (b'{"input": "hello"}', None),  # no content type: FastAPI does not read it as JSON
+    (b'{"input": "hello"}', "text/plain"),
+    (b'{"input": "hello"}', "application/x-www-form-urlencoded"),
+    (DEEP, JSON),
+]
+
+
+def reference_app() -> FastAPI:
+    app = FastAPI()
+    install_exception_handlers(app)
+
+    @app.post("/ref")
+    async def ref(body: EmbeddingRequest) -> dict:
+        return {"fields": repr([getattr(body, f) for f in FIELDS])}
+
+    return app
+
+
+def reference(bodies: list[tuple[bytes, str | None]]) -> list[httpx.Response]:
+    async def go() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=reference_app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            out = []
+            for body, ctype in bodies:
+                headers = {} if ctype is None else {"content-type": ctype}
+                out.append(await client.post("/ref", content=body, headers=headers))
+            return out
+
+    return asyncio.run(go())
+
+
+def test_decode_request_matches_fastapi_on_every_case():
+    fast_ok = 0
+    for (body, ctype), ref in zip(CASES, reference(CASES), strict=True):
+        try:
+            got = decode_request(body, ctype)
+        except APIError as err:
+            assert ref.status_code == err.status, (body[:80], ctype, ref.text)
+            assert ref.json() == err.body(), (body[:80], ctype)
+            continue
+        assert ref.status_code == 200, (body[:80], ctype, ref.text)
+        assert repr([getattr(got, f) for f in FIELDS]) == ref.json()["fields"], body
+        fast_ok += isinstance(got, FastEmbeddingRequest)
+    assert fast_ok >= 8  # the plain requests took msgspec's path, not the fallback
+
+
+def test_surrogate_and_type_errors_name_their_field():
+    with pytest.raises(APIError) as e:
+        decode_request(b'{"input": ["fine", "\\ud800"]}', JSON)
+    assert e.value.status == 400 and e.value.param == "input"
+    assert "surrogate" in e.value.message
+    with pytest.raises(APIError) as e:
+        decode_request(b'{"input": "x", "encoding_format": "int8"}', JSON)
+    assert e.value.param == "encoding_format"
+
+
+@pytest.mark.parametrize("fmt", ["float", "base64"])
+def test_render_matches_the_json_of_the_vectors(fmt):
+    rng = np.random.default_rng(0)
+    mat = rng.standard_normal((5, 384)).astype(np.float32)
+    mat[0, :4] = [0.0, -0.0, 1e-30, 3.4e38]
+    body = json.loads(_render(list(mat), fmt, "a \"model\" ☃", 17))
+    assert body["object"] == "list" and body["model"] == "a \"model\" ☃"
+    assert body["usage"] == {"prompt_tokens": 17, "total_tokens": 17}
+    assert [d["index"] for d in body["data"]] == list(range(5))
+    assert all(d["object"] == "embedding" for d in body["data"])
+    if fmt == "float":
+        got = np.array([d["embedding"] for d in body["data"]], dtype=np.float64)
+        assert np.array_equal(got.astype(np.float32), mat)  # every float32 reads back exactly
+        assert np.array_equal(got, mat.astype(np.float64))
+    else:
+        import base64
+
+        got = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4")
+                        for d in body["data"]])
+        assert np.array_equal(got, mat)
