@@ -27,7 +27,7 @@ from bucketserve.buckets.__main__ import main as cli_main
 # The schema and defaults as documented in /work/notes/TEAM.md (the spec this package implements).
 DOCUMENTED_DEFAULTS = {
     "prefill": {"boundaries": [16, 32, 64, 128, 256, 512, 1024, 2048], "piecewise_sizes": "auto",
-                "piecewise_choice": "cost"},
+                "piecewise_choice": "cost", "mixed_graphs": "full"},
     "decode": {"batch_sizes": [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
                                192, 208, 224, 240, 256]},
     "scheduler": {"max_running": 256, "max_batched_tokens": "auto", "max_waiting": 1024,
@@ -315,6 +315,9 @@ INVALID = [
     ('[prefill]\npiecewise_choice = "eager"\n', "prefill.piecewise_choice",
      ["'eager'", '"cost"', '"pad"']),
     ("[prefill]\npiecewise_choice = true\n", "prefill.piecewise_choice", ["boolean", '"cost"']),
+    ('[prefill]\nmixed_graphs = "whole"\n', "prefill.mixed_graphs",
+     ["'whole'", '"full"', '"piecewise"']),
+    ("[prefill]\nmixed_graphs = 1\n", "prefill.mixed_graphs", ["integer", '"full"']),
     # cross-key: an encoder batch must fit one input of the longest bucket
     ("[embedding]\nmax_batch_tokens = 256\n", "embedding.max_batch_tokens", ["256", "512"]),
     ("[embedding]\nboundaries = [512, 16384]\n", "embedding.boundaries", ["8192", "16384"]),

@@ -1,7 +1,7 @@
 """On CUDA, the engine's greedy output equals transformers' `generate` token for token (fp32,
 Triton attention), for 16 concurrent prompts of mixed lengths, with and without CUDA graphs
-for the decode steps, and under preemption, with overlapped scheduling on and off (NVTX
-ranges on). Skipped without a GPU."""
+for the decode steps, prefill and mixed steps captured whole or piecewise, and under
+preemption, with overlapped scheduling on and off (NVTX ranges on). Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -72,9 +72,11 @@ def setup():
 
 
 def run_engine(loaded, prompts, tmp_path, cuda_graphs: bool, num_blocks: int | None = None,
-               piecewise: bool = True, overlap: bool = True, nvtx: bool = False):
+               piecewise: bool = True, overlap: bool = True, nvtx: bool = False,
+               mixed: str = "full"):
     path = tmp_path / "buckets.toml"
-    path.write_text("[scheduler]\nmax_batched_tokens = 256\nmax_running = 16\n")
+    path.write_text("[scheduler]\nmax_batched_tokens = 256\nmax_running = 16\n"
+                    f'[prefill]\nmixed_graphs = "{mixed}"\n')
     engine = LLMEngine(loaded, load_buckets(str(path), max_model_len=2048), "cuda",
                        num_blocks=num_blocks, cuda_graphs=cuda_graphs, piecewise_graphs=piecewise,
                        async_scheduling=overlap, nvtx=nvtx)
@@ -85,13 +87,16 @@ def run_engine(loaded, prompts, tmp_path, cuda_graphs: bool, num_blocks: int | N
     return [o.token_ids for o in outs], engine
 
 
-@pytest.mark.parametrize("cuda_graphs, piecewise, overlap",
-                         [(True, True, True), (True, True, False), (True, False, True),
-                          (False, False, True), (False, False, False)])
-def test_gpu_engine_greedy_matches_transformers(setup, tmp_path, cuda_graphs, piecewise, overlap):
+@pytest.mark.parametrize("cuda_graphs, piecewise, overlap, mixed",
+                         [(True, True, True, "full"), (True, True, False, "full"),
+                          (True, True, True, "piecewise"), (True, True, False, "piecewise"),
+                          (True, False, True, "full"), (False, False, True, "full"),
+                          (False, False, False, "full")])
+def test_gpu_engine_greedy_matches_transformers(setup, tmp_path, cuda_graphs, piecewise, overlap,
+                                                mixed):
     loaded, prompts, expected = setup
     got, engine = run_engine(loaded, prompts, tmp_path, cuda_graphs, piecewise=piecewise,
-                             overlap=overlap, nvtx=overlap)
+                             overlap=overlap, nvtx=overlap, mixed=mixed)
     assert got == expected
     # with overlap, decode inputs came from the previous step's sampled ids on the device
     assert (engine.runner.num_placeholder_tokens > 0) is overlap
@@ -109,8 +114,11 @@ def test_gpu_engine_greedy_matches_transformers(setup, tmp_path, cuda_graphs, pi
         assert stats.computed_tokens_total > stats.useful_tokens_total
     else:
         assert stats.computed_tokens_total == stats.useful_tokens_total
-    if piecewise:  # every prefill and mixed step (<= 256 tokens here) ran as piecewise graphs,
-        # or eagerly where the start-up cost model found that cheaper than the padded replay
+    if piecewise:  # every prefill and mixed step (<= 256 tokens here) ran as graphs (whole
+        # steps or pieces), or eagerly where the start-up cost model found that cheaper
+        assert engine.cuda_info["mixed_graphs"] == mixed
+        assert type(engine.runner.piecewise).__name__ == (
+            "MixedGraphs" if mixed == "full" else "PiecewiseGraphs")
         assert engine.cuda_info["piecewise_graphs"] > 0
         assert "piecewise_eager_from" in engine.cuda_info  # piecewise_choice "cost" (default)
         non_decode = sum(s.kind != "decode" for s in engine.stats.recent)

@@ -214,15 +214,23 @@ def _bool(value: Any) -> bool:
 
 POLICIES = ("fcfs", "priority")
 PIECEWISE_CHOICES = ("cost", "pad")
+MIXED_GRAPH_MODES = ("full", "piecewise")
 
 
-def _piecewise_choice(value: Any) -> str:
-    expected = "expected one of " + ", ".join(f'"{c}"' for c in PIECEWISE_CHOICES)
-    if not isinstance(value, str):
-        raise _Bad(f"{_got(value)}; {expected}")
-    if value not in PIECEWISE_CHOICES:
-        raise _Bad(f"got {value!r}; {expected}")
-    return value
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        expected = "expected one of " + ", ".join(f'"{c}"' for c in choices)
+        if not isinstance(value, str):
+            raise _Bad(f"{_got(value)}; {expected}")
+        if value not in choices:
+            raise _Bad(f"got {value!r}; {expected}")
+        return value
+
+    return check
+
+
+_piecewise_choice = _one_of(PIECEWISE_CHOICES)
+_mixed_graphs = _one_of(MIXED_GRAPH_MODES)
 
 
 def _policy(value: Any) -> str:
@@ -243,6 +251,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
         "boundaries": (_increasing_ints, "prefill_boundaries"),
         "piecewise_sizes": (_sizes_or_auto, "piecewise_sizes"),
         "piecewise_choice": (_piecewise_choice, "piecewise_choice"),
+        "mixed_graphs": (_mixed_graphs, "mixed_graphs"),
     },
     "decode": {"batch_sizes": (_increasing_ints, "decode_batch_sizes")},
     "scheduler": {
@@ -330,6 +339,9 @@ class BucketsConfig:
     # per prefill / mixed step: "cost" (cheaper of padded graph replay and eager run, measured
     # at start-up) or "pad" (always the next captured size); see PaddingCostModel
     piecewise_choice: str = "cost"
+    # how prefill / mixed steps are captured (CUDA): "full" (one graph per token count,
+    # attention inside: kernels/cuda_graphs.MixedGraphs) or "piecewise" (attention eager)
+    mixed_graphs: str = "full"
     # Where the values came from, for error messages: the user file (or the default file), and
     # the dotted keys the user file set (defaults may be adapted to the model; user values not).
     source: str = field(default="<defaults>", compare=False)

@@ -55,8 +55,9 @@ class LLMEngine:
                  nvtx: bool = False) -> None:
         """`loaded` is a models.LoadedModel; `num_blocks` overrides the KV budget (tests);
         `cuda_graphs` (CUDA only) captures one decode graph per decode batch size and, with
-        `piecewise_graphs`, prefill and mixed steps as graphs of everything but attention
-        (at the TOML's prefill.piecewise_sizes). `async_scheduling` overlaps each step's
+        `piecewise_graphs`, prefill and mixed steps as graphs too (at the TOML's
+        prefill.piecewise_sizes; prefill.mixed_graphs: whole steps, or everything but
+        attention). `async_scheduling` overlaps each step's
         host work with the previous step's device work (None: the TOML's
         scheduler.async_scheduling). `nvtx` (CUDA only) wraps each step in an NVTX range
         named by its kind and bucket ("decode b=64", "mixed t=2048") for Nsight Systems."""
@@ -100,7 +101,7 @@ class LLMEngine:
             pw = buckets.piecewise_token_counts(self.max_batched_tokens) if piecewise_graphs else None
             self.cuda_info = self.runner.setup_cuda(
                 list(buckets.decode_batch_sizes), use_cuda_graphs=cuda_graphs, piecewise_sizes=pw,
-                piecewise_choice=buckets.piecewise_choice)
+                piecewise_choice=buckets.piecewise_choice, mixed_graphs=buckets.mixed_graphs)
         if async_scheduling is None:
             async_scheduling = buckets.use_async_scheduling(self.device.type)
         self.async_scheduling = async_scheduling

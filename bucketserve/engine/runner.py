@@ -9,13 +9,15 @@ One step, on any device:
      (pinned on CUDA) and returns a `StepPlan` (counts, the rows to sample, and the decode
      rows whose input token is still on the device, see below); the buffers are copied to
      the device with non-blocking copies;
-  2. one of three forwards: a pure-decode step of n <= the largest decode graph size
+  2. one of the forwards: a pure-decode step of n <= the largest decode graph size
      replays a decode CUDA graph (kernels/cuda_graphs.DecodeGraphs.run, which pads to the
      captured size with dummy rows); a prefill or mixed step (or a larger decode step)
-     replays the piecewise graphs at the next captured token count
-     (kernels/cuda_graphs.PiecewiseGraphs) unless the cost model measured at start-up
-     (PaddingCostModel) says an eager run of its exact tokens is cheaper than the padded
-     replay; anything else runs eagerly;
+     replays the graph of the next captured token count, attention included
+     (kernels/cuda_graphs.MixedGraphs: its static inputs are copied straight from the
+     pinned host buffers; `[prefill] mixed_graphs = "piecewise"`: PiecewiseGraphs, graphs
+     of everything but attention, which then runs eagerly between them) unless the cost
+     model measured at start-up (PaddingCostModel) says an eager run of its exact tokens
+     is cheaper than the padded replay; anything else runs eagerly;
   3. one sampling tail: the logits of the sampled rows, the sampler's token ids (a device
      tensor), and a non-blocking copy of those ids to the host.
 
@@ -39,7 +41,7 @@ import torch
 from bucketserve.engine.sampler import Sampler
 from bucketserve.engine.scheduler import ScheduledBatch
 from bucketserve.engine.sequence import Sequence, TokenLogprob
-from bucketserve.kernels.attention import AttentionMetadata, forward_context
+from bucketserve.kernels.attention import AttentionMetadata, forward_context, prefill_tiles
 
 log = logging.getLogger(__name__)
 
@@ -311,10 +313,13 @@ class ModelRunner:
         self.inputs = StepInputs(max(max_num_tokens, max_num_seqs), max_num_seqs, self.max_blocks,
                                  block_size, device)
         self.graphs = None  # kernels.cuda_graphs.DecodeGraphs when captured
-        self.piecewise = None  # kernels.cuda_graphs.PiecewiseGraphs when captured
+        # prefill / mixed steps: kernels.cuda_graphs.MixedGraphs or PiecewiseGraphs when captured
+        self.piecewise = None
+        self._h_counts: torch.Tensor | None = None  # pinned: a mixed graph's decode count + tiles
+        self._counts_np: np.ndarray | None = None
         self.step_timing: dict[str, float] = {"prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0}
         self.num_graph_steps = 0  # steps that replayed a captured decode graph
-        self.num_piecewise_steps = 0  # prefill / mixed steps run as piecewise graphs
+        self.num_piecewise_steps = 0  # prefill / mixed steps replayed from graphs (either kind)
         # steps a captured piecewise size could have held that the cost model ran eagerly
         self.num_cost_eager_steps = 0
         self.num_placeholder_tokens = 0  # input ids read from the previous step on the device
@@ -335,15 +340,17 @@ class ModelRunner:
 
     def setup_cuda(self, decode_batch_sizes: list[int], use_cuda_graphs: bool = True,
                    piecewise_sizes: list[int] | None = None,
-                   piecewise_choice: str = "cost") -> dict:
+                   piecewise_choice: str = "cost", mixed_graphs: str = "full") -> dict:
         """Compiles the attention kernels' variants, captures the decode graphs (largest
-        first, one pool) and, with `piecewise_sizes` (token counts), the piecewise graphs of
-        prefill and mixed steps. `piecewise_choice` "cost" then measures the graphs against
-        eager runs at each size (PiecewiseGraphs.measure_costs) so that each step takes the
-        cheaper; "pad" always replays the next captured size. Returns {"graphs": n,
-        "capture_s": s, "graph_pool_mib": m, "kernel_warmup_s": s, "piecewise_graphs": n,
-        "piecewise_capture_s": s, "piecewise_pool_mib": m, "cost_model_s": s,
-        "piecewise_eager_from": n} for the start-up log."""
+        first, one pool) and, with `piecewise_sizes` (token counts), the graphs of prefill
+        and mixed steps: `mixed_graphs` "full", one graph per token count with attention
+        inside (MixedGraphs), or "piecewise", graphs of everything but attention
+        (PiecewiseGraphs). `piecewise_choice` "cost" then measures the graphs against
+        eager runs at each size (measure_costs) so that each step takes the cheaper; "pad"
+        always replays the next captured size. Returns {"graphs": n, "capture_s": s,
+        "graph_pool_mib": m, "kernel_warmup_s": s, "mixed_graphs": mode,
+        "piecewise_graphs": n, "piecewise_capture_s": s, "piecewise_pool_mib": m,
+        "cost_model_s": s, "piecewise_eager_from": n} for the start-up log."""
         if self.device.type != "cuda":
             raise ValueError("setup_cuda needs a CUDA device")
         sizes = sorted({b for b in decode_batch_sizes if b >= 1})
@@ -369,9 +376,15 @@ class ModelRunner:
                         graph_pool_mib=stats.pool_bytes / 2**20)
             if piecewise_sizes and getattr(self.model, "fused_ops", False) \
                     and hasattr(self.model, "stage_first"):
-                from bucketserve.kernels.cuda_graphs import PiecewiseGraphs
+                from bucketserve.kernels.cuda_graphs import MixedGraphs, PiecewiseGraphs
 
-                self.piecewise = PiecewiseGraphs(self.model, piecewise_sizes, self.device)
+                if mixed_graphs == "full":
+                    self.use_mixed_graphs(MixedGraphs(self.model, piecewise_sizes,
+                                                      self.inputs.max_seqs, self.max_blocks,
+                                                      self.device))
+                else:
+                    self.piecewise = PiecewiseGraphs(self.model, piecewise_sizes, self.device)
+                info["mixed_graphs"] = mixed_graphs
                 stats = self.piecewise.capture()
                 info.update(piecewise_graphs=stats.num_graphs, piecewise_capture_s=stats.seconds,
                             piecewise_pool_mib=stats.pool_bytes / 2**20)
@@ -381,6 +394,14 @@ class ModelRunner:
                     info.update(cost_model_s=time.perf_counter() - t0,
                                 piecewise_eager_from=cost.eager_from())
         return info
+
+    def use_mixed_graphs(self, graphs) -> None:
+        """Prefill and mixed steps through `graphs` (a kernels.cuda_graphs.MixedGraphs; its
+        capture() is the caller's), with a host buffer for their counts."""
+        self.piecewise = graphs
+        self._h_counts = torch.zeros(1 + graphs.max_tiles, dtype=torch.int32,
+                                     pin_memory=self.device.type == "cuda")
+        self._counts_np = self._h_counts.numpy()
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -395,7 +416,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         inp = self.inputs
         plan = inp.fill(batch, self._last_index)
-        ids, pos, meta = inp.to_device(plan)
+        path, size = self._choose_forward(plan)
+        if path == "mixed_graph":  # inputs straight into the graph's static buffers
+            ids = self._load_mixed_graph(size, plan)
+            pos = meta = None
+        else:
+            ids, pos, meta = inp.to_device(plan)
         if plan.placeholder_rows:
             self._gather_placeholders(plan, ids)
             self.num_placeholder_tokens += len(plan.placeholder_rows)
@@ -403,7 +429,17 @@ class ModelRunner:
         rows = inp.index_rows(inp.h_sample_rows, k) if k and plan.sample_rows[-1] != k - 1 else None
         inp.mark_copied()
         t1 = time.perf_counter()
-        hidden, padding = self._forward(plan, ids, pos, meta)
+        if path == "decode_graph":
+            hidden = self._forward_decode_graph(ids, pos, meta)
+        elif path == "mixed_graph":
+            self.num_piecewise_steps += 1
+            hidden = self.piecewise.run(size, plan.num_tokens)
+        elif path == "piecewise":
+            hidden = self._forward_piecewise(size, ids, pos, meta)
+        else:
+            hidden = self._forward_eager(ids, pos, meta)
+        padding = size - (plan.num_seqs if path == "decode_graph" else plan.num_tokens) \
+            if size else 0
         t2 = time.perf_counter()
         step = self._sample(batch, plan, hidden, rows, padding)
         st = self.step_timing
@@ -425,24 +461,40 @@ class ModelRunner:
             s = inp.index_rows(inp.h_ph_src, m)
             ids.index_copy_(0, r, src.index_select(0, s))
 
-    # -- the forwards: decode graph, piecewise graphs, eager --------------------------------
+    # -- the forwards: decode graph, mixed-step graph, piecewise graphs, eager -------------
 
-    def _forward(self, plan: StepPlan, ids: torch.Tensor, pos: torch.Tensor,
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, int]:
-        """hidden [num_tokens, H] and the padding rows computed beyond the step's tokens."""
+    def _choose_forward(self, plan: StepPlan) -> tuple[str, int]:
+        """(path, captured size) of a step: "decode_graph" (size: the padded batch),
+        "mixed_graph" / "piecewise" (size: the padded token count; self.piecewise is a
+        MixedGraphs or a PiecewiseGraphs), or "eager" (size 0)."""
         g = self.graphs
         if g is not None and plan.is_decode:
             bs = g.padded_size(plan.num_seqs)
             if bs is not None:
-                return self._forward_decode_graph(ids, pos, meta), bs - plan.num_seqs
+                return "decode_graph", bs
         pw = self.piecewise
         if pw is not None:
             t = pw.choose(plan.num_tokens)
             if t is not None:
-                return self._forward_piecewise(t, ids, pos, meta), t - plan.num_tokens
+                return ("mixed_graph" if pw.attention_in_graph else "piecewise"), t
             if pw.padded_size(plan.num_tokens) is not None:
                 self.num_cost_eager_steps += 1
-        return self._forward_eager(ids, pos, meta), 0
+        return "eager", 0
+
+    def _load_mixed_graph(self, t: int, plan: StepPlan) -> torch.Tensor:
+        """The step's host buffers -> the static inputs of the mixed-step graph of size t
+        (padding rows' slots -1, the decode count and the prefill tiles); returns the
+        graph's input ids of the real rows (placeholders are gathered into them)."""
+        inp, mg = self.inputs, self.piecewise
+        ntok = plan.num_tokens
+        inp.slots[ntok:t] = -1  # padding rows write no K/V
+        counts = self._counts_np
+        counts[0] = plan.num_decodes
+        prefill_tiles(plan.query_lens, plan.num_decodes, counts[1:1 + mg.num_tiles(t)])
+        n = plan.num_seqs
+        mg.load(t, n, inp.h_ids, inp.h_pos, inp.h_slots, inp.h_qsl, inp.h_seq_lens,
+                inp.h_tables[:n], self._h_counts)
+        return mg.input_ids[:ntok]
 
     def _forward_decode_graph(self, ids: torch.Tensor, pos: torch.Tensor,
                               meta: AttentionMetadata) -> torch.Tensor:

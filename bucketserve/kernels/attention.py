@@ -25,10 +25,58 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from bucketserve.kernels import cpu_decode
+
+# Query rows per program of the prefill kernel (kernels/triton_attention.py), and so the unit
+# of the prefill tiles below.
+PREFILL_BLOCK_M = 64
+
+
+@dataclass
+class FixedGrid:
+    """Attention launch grids that depend only on a step's capacity, with the step's own
+    counts on the device: what a CUDA graph of a whole prefill or mixed step replays
+    (kernels/cuda_graphs.MixedGraphs). Only the Triton backend reads it.
+
+    The decode grid has `max_decodes` rows, of which rows below num_decodes[0] run; the
+    prefill grid has one program per entry of `tiles` (prefill_tiles: sequence << 16 | query
+    tile, -1 for none)."""
+
+    num_decodes: torch.Tensor  # int32 [1], on the device
+    max_decodes: int
+    tiles: torch.Tensor  # int32 [max_prefill_tiles(T, max_seqs)], on the device
+
+
+def max_prefill_tiles(num_tokens: int, max_seqs: int, block_m: int = PREFILL_BLOCK_M) -> int:
+    """Most prefill tiles a step of num_tokens query rows over at most max_seqs sequences
+    needs: sum over sequences of ceil(q_i / block_m) < num_tokens / block_m + sequences, and
+    each sequence holds at least one row."""
+    return -(-num_tokens // block_m) + min(num_tokens, max_seqs)
+
+
+def prefill_tiles(query_lens: list[int], first_seq: int, out: np.ndarray,
+                  block_m: int = PREFILL_BLOCK_M) -> int:
+    """Writes the prefill tiles of sequences first_seq.. (query lengths query_lens[first_seq:])
+    into out (int32): sequence << 16 | query tile, in sequence order, then -1 to the end of
+    out. Returns the number of tiles."""
+    if len(query_lens) > 1 << 15:
+        raise ValueError(f"{len(query_lens)} sequences: a prefill tile names at most 32,768")
+    k = 0
+    for i in range(first_seq, len(query_lens)):
+        nb = -(-query_lens[i] // block_m)
+        if k + nb > len(out):
+            raise ValueError(f"the prefill needs more than {len(out)} tiles")
+        if nb == 1:
+            out[k] = i << 16
+        else:
+            out[k:k + nb] = np.arange(i << 16, (i << 16) + nb, dtype=np.int32)
+        k += nb
+    out[k:] = -1
+    return k
 
 
 @dataclass
@@ -43,6 +91,8 @@ class AttentionMetadata:
     # host copies, so the CPU path never syncs
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # set in a captured prefill / mixed step: grids from its capacity, counts on the device
+    fixed: FixedGrid | None = None
 
     @property
     def num_seqs(self) -> int:

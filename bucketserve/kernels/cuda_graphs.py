@@ -238,6 +238,8 @@ class PiecewiseGraphs:
     With capture=False (CPU tests) the stages run eagerly over the same buffers.
     """
 
+    attention_in_graph = False  # the runner runs attention between the pieces (run)
+
     def __init__(self, model: torch.nn.Module, sizes: list[int], device: torch.device | str,
                  capture: bool = True) -> None:
         if not sizes or min(sizes) < 1:
@@ -401,3 +403,185 @@ class PiecewiseGraphs:
                 o = self.model.attention(index, self.q[:n], self.k[:n], self.v[:n])
                 self.o[:n].copy_(o.view(n, *self.o.shape[1:]))
         return self.h[:n]
+
+
+class MixedGraphs:
+    """Prefill and mixed steps as one CUDA graph per token count, attention included.
+
+    PiecewiseGraphs leaves attention out of the graphs because its launch grids depend on
+    the batch; running it eagerly between the pieces costs a few kernel launches a layer
+    from Python (H200, 135M shape: a mixed step of 256 decodes and a short prompt took
+    ~10 ms served, nearly all of it launches, against ~1.2 ms for its pieces). Here
+    attention runs on fixed grids (kernels/attention.FixedGrid) whose size depends only on
+    the captured token count T: the decode kernel's grid has min(T, max_seqs) rows and its
+    programs past the step's decode count (a device scalar) return at once; the prefill
+    kernel gets one program per entry of a (sequence, query tile) list that the host writes
+    each step, padded with -1. So for each T of `sizes` the whole forward
+    `model(input_ids[:T], positions[:T])` is one graph over static buffers:
+
+        input_ids, positions, slot_mapping [T]     rows n..T-1 padding, slot -1 (no KV write)
+        query_start_loc [S+1], seq_lens [S], block_tables [S, W]  rows of the step's sequences
+        counts [1 + tiles]                         decode count, then the prefill tiles
+
+    with S = max_seqs. A step of n tokens replays the smallest T >= n (or runs eagerly
+    where the cost model, measured at start-up, finds that cheaper); padding rows are
+    row-local garbage that never reaches the KV pool or a real row. The runner fills the
+    static buffers from its pinned host buffers (`load`), one copy each. Capture is largest
+    first into one pool, as for the other graphs.
+    """
+
+    attention_in_graph = True  # the runner loads the static inputs (load), then run()
+
+    def __init__(self, model: torch.nn.Module, sizes: list[int], max_seqs: int,
+                 max_blocks_per_seq: int, device: torch.device | str,
+                 capture: bool = True) -> None:
+        """capture=False (CPU tests, with the Triton kernels interpreted): run() runs the
+        same forward eagerly over the same static buffers instead of replaying a graph."""
+        from bucketserve.kernels.attention import max_prefill_tiles
+
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"mixed graph sizes must be positive, got {sizes}")
+        self.model = model
+        self.sizes = sorted(set(sizes))
+        self.max_seqs = max_seqs
+        self.device = torch.device(device)
+        tmax = self.sizes[-1]
+        kw = {"device": self.device}
+        self.input_ids = torch.zeros(tmax, dtype=torch.long, **kw)
+        self.positions = torch.zeros(tmax, dtype=torch.long, **kw)
+        self.slot_mapping = torch.full((tmax,), -1, dtype=torch.long, **kw)
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, **kw)
+        self.seq_lens = torch.ones(max_seqs, dtype=torch.int32, **kw)
+        self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, **kw)
+        self.max_tiles = max_prefill_tiles(tmax, max_seqs)
+        # [0]: the step's decode count; [1:]: its prefill tiles (-1: none)
+        self.counts = torch.full((1 + self.max_tiles,), -1, dtype=torch.int32, **kw)
+        self.counts[0] = 0
+        self.use_graphs = capture
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # static hidden [T, H] per graph
+        self.pool = None
+        self.cost: PaddingCostModel | None = None
+
+    def num_tiles(self, t: int) -> int:
+        """Prefill tiles the graph of size t launches (kernels.attention.max_prefill_tiles)."""
+        from bucketserve.kernels.attention import max_prefill_tiles
+
+        return max_prefill_tiles(t, self.max_seqs)
+
+    def _meta(self, t: int) -> AttentionMetadata:
+        from bucketserve.kernels.attention import FixedGrid
+
+        fixed = FixedGrid(num_decodes=self.counts[:1], max_decodes=min(t, self.max_seqs),
+                          tiles=self.counts[1:1 + self.num_tiles(t)])
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:t], query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens, block_tables=self.block_tables,
+            num_decodes=fixed.max_decodes, max_query_len=t, max_seq_len=0, query_lens_cpu=[],
+            seq_lens_cpu=[], fixed=fixed)
+
+    def _forward(self, t: int) -> torch.Tensor:
+        with forward_context(self._meta(t)):
+            return self.model(self.input_ids[:t], self.positions[:t])
+
+    def _empty_step(self) -> None:
+        """Static inputs of a step with nothing to do: no KV writes, no attention programs."""
+        self.slot_mapping.fill_(-1)
+        self.counts.fill_(-1)
+        self.counts[0] = 0
+
+    @torch.inference_mode()
+    def capture(self) -> CaptureStats:
+        """Captures every size, largest first (smaller graphs reuse the pool's memory)."""
+        self._empty_step()
+        if not self.use_graphs:
+            return CaptureStats(0, 0.0, 0)
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        self.pool = torch.cuda.graph_pool_handle()
+        for t in reversed(self.sizes):
+            stream = torch.cuda.Stream(self.device)  # warm-up: kernel compilation, cuBLAS
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._forward(t)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[t] = self._forward(t)
+            self.graphs[t] = graph
+        torch.cuda.synchronize(self.device)
+        stats = CaptureStats(len(self.graphs), time.perf_counter() - t0, pool_bytes(self.pool))
+        log.info("captured %d mixed-step graphs (token counts %d..%d, attention included) in "
+                 "%.2f s, %.1f MiB", stats.num_graphs, self.sizes[0], self.sizes[-1],
+                 stats.seconds, stats.pool_bytes / 2**20)
+        return stats
+
+    @torch.inference_mode()
+    def measure_costs(self, repeats: int = 2, long_tokens: int = 2048) -> PaddingCostModel:
+        """Times one replay of each size's graph against the same forward run eagerly (host
+        launches included; wall time to completion, best of `repeats` after a warm-up pass,
+        sizes above `long_tokens` once), both on an empty step (attention programs return at
+        once, nothing reaches the KV pool), and keeps them as `self.cost` for `choose`."""
+        self._empty_step()
+
+        def timed(fn, t: int) -> float:
+            best = float("inf")
+            passes = repeats + 1 if t <= long_tokens else 1
+            for i in range(passes):
+                torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize(self.device)
+                if i or passes == 1:
+                    best = min(best, time.perf_counter() - t0)
+            return best * 1e3
+
+        graph_ms = [timed(self.graphs[t].replay, t) for t in self.sizes]
+        eager_ms = [timed(lambda t=t: self._forward(t), t) for t in self.sizes]
+        self.cost = PaddingCostModel(tuple(self.sizes), tuple(graph_ms), tuple(eager_ms))
+        log.info("mixed-step graph cost model (ms per forward, graph / eager): %s; the first "
+                 "token count run eagerly: %s", ", ".join(
+                     f"{t}: {g:.2f}/{e:.2f}" for t, g, e in zip(self.sizes, graph_ms, eager_ms,
+                                                                strict=True)),
+                 self.cost.eager_from())
+        return self.cost
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        return next_size(self.sizes, num_tokens)
+
+    def choose(self, num_tokens: int) -> int | None:
+        """The captured size a step of `num_tokens` replays, or None to run it eagerly."""
+        if self.cost is not None:
+            return self.cost.choose(num_tokens)
+        return self.padded_size(num_tokens)
+
+    def load(self, t: int, num_seqs: int, ids: torch.Tensor, positions: torch.Tensor,
+             slots: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+             block_tables: torch.Tensor, counts: torch.Tensor) -> None:
+        """Copies a step's inputs (host buffers, pinned: the copies do not block) into the
+        static buffers of size t: ids, positions, slots [>= t] (slots of padding rows -1),
+        query_start_loc [>= n+1], seq_lens [>= n], block_tables [>= n, W], counts
+        [>= 1 + num_tiles(t)] (decode count, prefill tiles padded with -1)."""
+        n = num_seqs
+        width = block_tables.shape[1]
+        if t not in self.sizes or n > self.max_seqs or width > self.block_tables.shape[1] \
+                or (self.use_graphs and t not in self.graphs):
+            raise ValueError(f"no mixed-step graph for {t} tokens and {n} sequences")
+        nb = dict(non_blocking=True)
+        self.input_ids[:t].copy_(ids[:t], **nb)
+        self.positions[:t].copy_(positions[:t], **nb)
+        self.slot_mapping[:t].copy_(slots[:t], **nb)
+        self.query_start_loc[:n + 1].copy_(query_start_loc[:n + 1], **nb)
+        self.seq_lens[:n].copy_(seq_lens[:n], **nb)
+        self.block_tables[:n, :width].copy_(block_tables[:n], **nb)
+        k = 1 + self.num_tiles(t)
+        self.counts[:k].copy_(counts[:k], **nb)
+
+    def run(self, t: int, num_tokens: int) -> torch.Tensor:
+        """Replays size t over the loaded inputs -> hidden [num_tokens, H], a view of the
+        graph's static output: use it before the next run()."""
+        if not self.use_graphs:
+            with torch.inference_mode():
+                return self._forward(t)[:num_tokens]
+        self.graphs[t].replay()
+        return self.outputs[t][:num_tokens]

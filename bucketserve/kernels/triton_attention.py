@@ -8,7 +8,11 @@ tiles of BLOCK_N positions at a time through the block table, so any page size w
 
 Every launch grid comes from host integers in AttentionMetadata (num_decodes, the
 number of sequences, max_query_len); everything else (lengths, tables, slots) is read on
-the device, so `forward` never syncs and can be captured in a CUDA graph.
+the device, so `forward` never syncs and can be captured in a CUDA graph. With
+`meta.fixed` (a FixedGrid: a whole prefill or mixed step captured as one graph, see
+kernels/cuda_graphs.MixedGraphs) the grids depend only on the step's capacity and the
+step's own counts are read on the device: decode programs past the decode count return at
+once, and the prefill grid is a list of (sequence, query tile) pairs padded with -1.
 
 Decode: one program per (sequence, kv head, split) takes the whole query group
 (Hq / Hkv heads, padded to 16 rows for tl.dot) against one shared stream of K/V, so each
@@ -29,9 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from bucketserve.kernels.attention import AttentionBackend, AttentionMetadata
+from bucketserve.kernels.attention import PREFILL_BLOCK_M, AttentionBackend, AttentionMetadata
 
 _LOG2E = 1.4426950408889634
+# a prefill tile of a fixed-grid launch, packed in one int32: sequence << 16 | query tile
+TILE_SHIFT: tl.constexpr = tl.constexpr(16)
+TILE_MASK: tl.constexpr = tl.constexpr((1 << 16) - 1)
 
 
 @triton.jit
@@ -57,13 +64,16 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr,
-                   out_ptr, part_o_ptr, part_ml_ptr, scale_log2,
+                   out_ptr, part_o_ptr, part_ml_ptr, nd_ptr, scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_cb, stride_cs, stride_ch, stride_bt,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DEVICE_COUNT: tl.constexpr):
     s = tl.program_id(0)
+    if DEVICE_COUNT:  # fixed grid (a captured mixed step): the decode count is on the device
+        if s >= tl.load(nd_ptr):
+            return
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + s)
@@ -141,14 +151,21 @@ def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qsl_ptr,
-                    out_ptr, scale_log2, first_seq,
+                    out_ptr, tiles_ptr, scale_log2, first_seq,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    mblk = tl.program_id(0)
-    s = first_seq + tl.program_id(1)
+                    PRECISION: tl.constexpr, TILED: tl.constexpr):
+    if TILED:  # fixed grid (a captured mixed step): program -> (sequence, query tile) on the device
+        tile = tl.load(tiles_ptr + tl.program_id(0))
+        if tile < 0:
+            return
+        s = tile >> TILE_SHIFT
+        mblk = tile & TILE_MASK
+    else:
+        mblk = tl.program_id(0)
+        s = first_seq + tl.program_id(1)
     h = tl.program_id(2)
     q_start = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_start
@@ -253,8 +270,13 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, num_decodes: int,
                  scale: float, out: torch.Tensor, num_splits: int = 1,
-                 block_n: int | None = None, num_warps: int = 4, num_stages: int = 3) -> None:
+                 block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                 device_count: torch.Tensor | None = None) -> None:
     """Rows 0..num_decodes-1 of q [T, Hq, D] attend over their contexts; writes out rows.
+
+    device_count (an int32 tensor of one element on the device): the launch grid covers
+    num_decodes rows, but only rows below device_count[0] run (a fixed grid that a CUDA
+    graph can replay for any decode count up to num_decodes); needs num_splits == 1.
 
     block_n (positions per K/V tile) None: 64 for head_dim >= 128 without splits, else 128.
     Measured on an H200 (bench/gpu_8b.py --attn, 8B heads 32/8/128, context 512): 64 took
@@ -266,6 +288,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     hkv = k_cache.shape[2]
     group = hq // hkv
     block_d = max(16, triton.next_power_of_2(d))
+    if device_count is not None and num_splits != 1:
+        raise ValueError("a decode count on the device needs num_splits == 1")
     if num_splits > 1:
         part_o = torch.empty(num_decodes * hq * num_splits * block_d, dtype=torch.float32,
                              device=q.device)
@@ -274,12 +298,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         part_o = part_ml = out  # unused
     _decode_kernel[(num_decodes, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, scale * _LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml,
+        seq_lens if device_count is None else device_count, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, PAGE=k_cache.shape[1], NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+        PRECISION=_precision(q.dtype), DEVICE_COUNT=device_count is not None,
+        num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _merge_splits_kernel[(num_decodes, hq)](
             part_o, part_ml, out, out.stride(0), out.stride(1),
@@ -291,21 +317,30 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, first_seq: int, num_seqs: int,
                   max_query_len: int, scale: float, out: torch.Tensor,
-                  block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                  num_stages: int = 2) -> None:
+                  block_m: int = PREFILL_BLOCK_M, block_n: int = 64, num_warps: int = 4,
+                  num_stages: int = 2, tiles: torch.Tensor | None = None) -> None:
     """Sequences first_seq..num_seqs-1 (query rows from query_start_loc) attend causally
-    over their pooled contexts; writes their rows of out."""
+    over their pooled contexts; writes their rows of out.
+
+    tiles (int32 on the device, from prefill_tiles): one program per entry, each naming
+    (sequence, query tile of block_m rows), -1 for none; first_seq, num_seqs and
+    max_query_len are then unused. The grid depends only on tiles' length, so a CUDA graph
+    can replay it for any step that fits."""
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs - first_seq, hq)
+    if tiles is None:
+        grid = (triton.cdiv(max_query_len, block_m), num_seqs - first_seq, hq)
+    else:
+        grid = (tiles.numel(), 1, hq)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * _LOG2E, first_seq,
+        query_start_loc if tiles is None else tiles, scale * _LOG2E, first_seq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=hq // hkv, HEAD_DIM=d, PAGE=k_cache.shape[1], BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n,
-        PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+        PRECISION=_precision(q.dtype), TILED=tiles is not None, num_warps=num_warps,
+        num_stages=num_stages)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -370,6 +405,14 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads "
                              f"({k_cache.shape[2]})")
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        fixed = meta.fixed
+        if fixed is not None:  # a captured prefill / mixed step: grids from its capacity
+            if fixed.max_decodes:
+                paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                             fixed.max_decodes, scale, out, device_count=fixed.num_decodes)
+            paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                          meta.query_start_loc, 0, 0, 0, scale, out, tiles=fixed.tiles)
+            return out
         nd = meta.num_decodes
         if nd:
             splits = self.num_splits(meta, k_cache.shape[2], q.device)
