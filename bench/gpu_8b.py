@@ -55,7 +55,9 @@ from bucketserve.models.loader import LoadedModel, build_dummy_model  # noqa: E4
 RES: dict = {"runs": [], "step_times": [], "profiles": [], "attention": [], "vllm": []}
 # modes: extra TOML per mode (the step budget is added per --budgets entry)
 MODES = {
-    "graphs": "",  # the shipped defaults
+    "graphs": "",  # the shipped defaults (prefill / mixed steps as whole graphs: MixedGraphs)
+    # prefill / mixed steps as graphs of everything but attention (the default before MixedGraphs)
+    "piecewise": '[prefill]\nmixed_graphs = "piecewise"\n',
     "pad": '[prefill]\npiecewise_choice = "pad"\n',  # always the next captured size
     # the defaults before issue 11: padded piecewise steps, power-of-two decode graphs
     "legacy": '[prefill]\npiecewise_choice = "pad"\npiecewise_sizes = [16, 32, 64, 128, 256, 512, '

@@ -134,18 +134,48 @@ def seq_output(out: RequestOutput) -> SeqOutput:
 
 def run_core_loop(core: EngineCore, receive: Callable[[float], Iterable[CoreInput]],
                   send: Callable[[StepOutputs], None],
-                  keep_going: Callable[[], bool] = lambda: True) -> None:
+                  keep_going: Callable[[], bool] = lambda: True,
+                  timing: dict[str, float] | None = None) -> None:
     """The core loop. `receive(timeout_s)` returns every input available, waiting up to
     timeout_s for the first; `send` delivers one message; `keep_going` is asked between
-    steps (the process core checks that its front end still exists)."""
+    steps (the process core checks that its front end still exists). `timing` (optional)
+    accumulates the busy loop's seconds: "intake_s" (reading and handling inputs while
+    there is work), "step_s" (the engine step and its message), "send_s", and "steps"."""
+    clock = time.perf_counter
+    t = timing if timing is not None else {}
+    for key in ("intake_s", "step_s", "send_s", "steps"):
+        t.setdefault(key, 0.0)
     while keep_going():
         busy = core.has_work() or core.has_news()
+        t0 = clock()
         for msg in receive(0.0 if busy else IDLE_WAIT_S):
             if isinstance(msg, Shutdown):
                 return
             core.handle(msg)
         if core.has_work() or core.has_news():
-            send(core.step())
+            t1 = clock()
+            msg = core.step()
+            t2 = clock()
+            send(msg)
+            if busy:
+                t["intake_s"] += t1 - t0
+            t["step_s"] += t2 - t1
+            t["send_s"] += clock() - t2
+            t["steps"] += 1
+
+
+def log_core_timing(timing: dict[str, float], engine: LLMEngine) -> None:
+    """One line at exit: where the busy core loop's host time went, per step."""
+    n = int(timing.get("steps", 0))
+    if not n:
+        return
+    rt = engine.runner.step_timing
+    per = {k: timing[k] / n * 1e6 for k in ("intake_s", "step_s", "send_s")}
+    log.info("core loop: %d steps; per step (us): intake %.0f, engine step + message %.0f "
+             "(runner: prepare %.0f, forward launch %.0f, sampling launch %.0f, waiting for "
+             "the device %.0f), send %.0f", n, per["intake_s"], per["step_s"],
+             rt["prepare_s"] / n * 1e6, rt["forward_s"] / n * 1e6, rt["sample_s"] / n * 1e6,
+             rt.get("wait_s", 0.0) / n * 1e6, per["send_s"])
 
 
 # ---- the core in its own process ---------------------------------------------------------
@@ -333,16 +363,18 @@ def run_core_process(cfg: CoreConfig) -> None:
                 outbox.send(out_enc.encode(part))
 
         profile_path = os.environ.get(PROFILE_ENV)  # benchmarks only: cProfile of the loop
+        timing: dict[str, float] = {}
         if profile_path:
             import cProfile
 
             prof = cProfile.Profile()
             try:
-                prof.runcall(run_core_loop, core, receive, send, parent_alive)
+                prof.runcall(run_core_loop, core, receive, send, parent_alive, timing)
             finally:
                 prof.dump_stats(profile_path)
         else:
-            run_core_loop(core, receive, send, parent_alive)
+            run_core_loop(core, receive, send, parent_alive, timing)
+        log_core_timing(timing, engine)
         if not parent_alive():
             log.warning("the front end is gone: engine core exits")
     except BaseException as exc:  # noqa: BLE001 - reported to the front end, then exit 1

@@ -256,8 +256,10 @@ class RunnerStep:
 
     def __init__(self, batch: ScheduledBatch, sample_seqs: list[int], tokens: torch.Tensor | None,
                  host: torch.Tensor | None, ready: torch.cuda.Event | None,
-                 logprobs: list[TokenLogprob | None] | None, num_padding: int) -> None:
+                 logprobs: list[TokenLogprob | None] | None, num_padding: int,
+                 timing: dict[str, float] | None = None) -> None:
         self.batch = batch
+        self._timing = timing  # the runner's step_timing: result() adds its wait to "wait_s"
         self.sample_seqs = sample_seqs
         self.tokens = tokens
         self.num_padding = num_padding
@@ -273,7 +275,10 @@ class RunnerStep:
             logprobs: list[TokenLogprob | None] = [None] * n
             if self.sample_seqs:
                 if self._ready is not None:
+                    t0 = time.perf_counter()
                     self._ready.synchronize()
+                    if self._timing is not None:
+                        self._timing["wait_s"] += time.perf_counter() - t0
                     ids = self._host[:len(self.sample_seqs)].tolist()
                 else:
                     ids = self.tokens.tolist()
@@ -317,7 +322,9 @@ class ModelRunner:
         self.piecewise = None
         self._h_counts: torch.Tensor | None = None  # pinned: a mixed graph's decode count + tiles
         self._counts_np: np.ndarray | None = None
-        self.step_timing: dict[str, float] = {"prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0}
+        # host seconds per phase of launch(); wait_s: waiting for the device in result()
+        self.step_timing: dict[str, float] = {"prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0,
+                                              "wait_s": 0.0}
         self.num_graph_steps = 0  # steps that replayed a captured decode graph
         self.num_piecewise_steps = 0  # prefill / mixed steps replayed from graphs (either kind)
         # steps a captured piecewise size could have held that the cost model ran eagerly
@@ -539,4 +546,5 @@ class ModelRunner:
             ready.record()
         self._last_tokens = tokens
         self._last_index = {s: j for j, s in enumerate(sampled_seqs)}
-        return RunnerStep(batch, plan.sample_seqs, tokens, host, ready, logprobs, padding)
+        return RunnerStep(batch, plan.sample_seqs, tokens, host, ready, logprobs, padding,
+                          self.step_timing)
