@@ -54,6 +54,11 @@ def test_engine_and_front_end_layouts_pin_every_thread():
 
 
 def test_gemm_backend_choice(monkeypatch):
+    both = llama.onednn_packing_available() and llama.mkl_packing_available()
+    monkeypatch.setenv("BUCKETSERVE_CPU_GEMM", "auto")
+    assert llama.cpu_gemm_backend() == ("auto" if both else
+                                        "onednn" if llama.onednn_packing_available() else
+                                        "mkl" if llama.mkl_packing_available() else None)
     monkeypatch.setenv("BUCKETSERVE_CPU_GEMM", "mkl")
     assert llama.cpu_gemm_backend() == ("mkl" if llama.mkl_packing_available() else None)
     monkeypatch.setenv("BUCKETSERVE_CPU_GEMM", "onednn")
@@ -80,3 +85,25 @@ def test_packed_gemm_backends_match_f_linear(monkeypatch, backend, rows):
             torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias),
                                        rtol=1e-5, atol=1e-4)
             assert llama._linear(x, (p, w, bias)).equal(got)
+
+
+def test_auto_gemm_is_measured_once_on_the_first_model_packed(monkeypatch):
+    """BUCKETSERVE_CPU_GEMM=auto: packing a model times both backends on its largest
+    projection and keeps the faster for the process; a packed model then matches F.linear."""
+    if not (llama.onednn_packing_available() and llama.mkl_packing_available()):
+        pytest.skip("this torch build lacks one of the packed sgemms")
+    best, times = llama.measure_cpu_gemm(torch.randn(256, 64), rounds=1)
+    assert best in ("onednn", "mkl") and set(times) == {"onednn", "mkl"}
+    assert times[best] == min(times.values()) > 0
+    monkeypatch.setattr(llama, "_GEMM", "auto")
+    lin = llama.Linear(64, 256, bias=True)
+    with torch.no_grad():
+        lin.weight.normal_()
+        lin.bias.normal_()
+    mod = torch.nn.Sequential(lin)
+    assert llama.pack_linear_weights(mod, lin.weight)
+    assert llama._GEMM in ("onednn", "mkl") and lin.packed is not None
+    x = torch.randn(9, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias),
+                                   rtol=1e-4, atol=1e-4)

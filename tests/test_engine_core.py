@@ -65,9 +65,13 @@ def test_core_sends_one_message_per_step_holding_every_sequence(loaded, tmp_path
             return pending.pop()
         return [] if core.has_work() else [Shutdown()]
 
-    run_core_loop(core, receive, sent.append)
+    timing: dict[str, float] = {}
+    run_core_loop(core, receive, sent.append, timing=timing)
     steps = [m for m in sent if m.stats is not None]
     assert engine.stats.num_steps == len(steps) > 0
+    # the loop's own account: one entry per message sent, and time spent in each phase
+    assert timing["steps"] == len(sent)
+    assert timing["step_s"] > 0 and timing["send_s"] >= 0 and timing["intake_s"] >= 0
     # Overlapped, a message carries the tokens of the step launched before it, and one last
     # message without a step of its own brings the final step's tokens.
     assert len(sent) == len(steps) + overlap and (sent[-1].stats is None) == overlap

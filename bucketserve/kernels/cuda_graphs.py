@@ -212,7 +212,53 @@ class DecodeGraphs:
         return self.outputs[bs][:n]
 
 
-class PiecewiseGraphs:
+def best_ms(fn, device: torch.device, passes: int) -> float:
+    """Wall time of fn() to completion (device synced before and after), in ms: the best of
+    the passes after the first (a warm-up), or the one pass."""
+    cuda = device.type == "cuda"
+    best = float("inf")
+    for i in range(passes):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i or passes == 1:
+            best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+class TokenCountGraphs:
+    """What the runner asks of the graphs of prefill and mixed steps (PiecewiseGraphs,
+    MixedGraphs): captured token counts `sizes`, and the cost model, once measured."""
+
+    sizes: list[int]
+    cost: PaddingCostModel | None = None
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The token count a step of `num_tokens` runs at, or None (larger: eager)."""
+        return next_size(self.sizes, num_tokens)
+
+    def choose(self, num_tokens: int) -> int | None:
+        """The captured size a step of `num_tokens` replays, or None to run it eagerly: the
+        cost model's choice once measured (measure_costs), else the next captured size."""
+        if self.cost is not None:
+            return self.cost.choose(num_tokens)
+        return self.padded_size(num_tokens)
+
+    def _keep_costs(self, graph_ms: list[float], eager_ms: list[float],
+                    what: str) -> PaddingCostModel:
+        self.cost = PaddingCostModel(tuple(self.sizes), tuple(graph_ms), tuple(eager_ms))
+        log.info("%s cost model (ms per forward, graphs / eager): %s; the first token count "
+                 "run eagerly: %s", what, ", ".join(
+                     f"{t}: {g:.2f}/{e:.2f}" for t, g, e in zip(self.sizes, graph_ms, eager_ms,
+                                                                strict=True)),
+                 self.cost.eager_from())
+        return self.cost
+
+
+class PiecewiseGraphs(TokenCountGraphs):
     """Prefill and mixed steps as CUDA graphs of everything but attention.
 
     An eager prefill or mixed step launches ~10 kernels a layer from Python: measured on an
@@ -324,21 +370,8 @@ class PiecewiseGraphs:
         steady, once without warm-up), and keeps them as `self.cost`, which `choose` then
         consults. Stale static buffers are valid inputs (as for padding rows); nothing reaches
         the KV pool."""
-        cuda = self.device.type == "cuda"
-
         def timed(fn, t: int) -> float:
-            best = float("inf")
-            passes = repeats + 1 if t <= long_tokens else 1
-            for i in range(passes):
-                if cuda:
-                    torch.cuda.synchronize(self.device)
-                t0 = time.perf_counter()
-                fn()
-                if cuda:
-                    torch.cuda.synchronize(self.device)
-                if i or passes == 1:  # the first of several passes warms up
-                    best = min(best, time.perf_counter() - t0)
-            return best * 1e3
+            return best_ms(fn, self.device, repeats + 1 if t <= long_tokens else 1)
 
         stages = range(self.num_layers + 1)
         graph_ms, eager_ms = [], []
@@ -358,26 +391,9 @@ class PiecewiseGraphs:
 
             graph_ms.append(timed(replay, t))
             eager_ms.append(timed(eager, t))
-        self.cost = PaddingCostModel(tuple(self.sizes), tuple(graph_ms), tuple(eager_ms))
-        log.info("piecewise cost model (ms per forward, graphs / eager): %s; the first "
-                 "token count run eagerly: %s", ", ".join(
-                     f"{t}: {g:.2f}/{e:.2f}" for t, g, e in zip(self.sizes, graph_ms, eager_ms,
-                                                                strict=True)),
-                 self.cost.eager_from())
-        return self.cost
+        return self._keep_costs(graph_ms, eager_ms, "piecewise")
 
     # -- one step -------------------------------------------------------------------------------
-
-    def padded_size(self, num_tokens: int) -> int | None:
-        """The token count a step of `num_tokens` runs at, or None (larger: eager)."""
-        return next_size(self.sizes, num_tokens)
-
-    def choose(self, num_tokens: int) -> int | None:
-        """The captured size a step of `num_tokens` replays, or None to run it eagerly: the
-        cost model's choice once measured (measure_costs), else the next captured size."""
-        if self.cost is not None:
-            return self.cost.choose(num_tokens)
-        return self.padded_size(num_tokens)
 
     @torch.inference_mode()
     def run(self, t: int, num_tokens: int) -> torch.Tensor:
@@ -405,7 +421,7 @@ class PiecewiseGraphs:
         return self.h[:n]
 
 
-class MixedGraphs:
+class MixedGraphs(TokenCountGraphs):
     """Prefill and mixed steps as one CUDA graph per token count, attention included.
 
     PiecewiseGraphs leaves attention out of the graphs because its launch grids depend on
@@ -524,36 +540,13 @@ class MixedGraphs:
         once, nothing reaches the KV pool), and keeps them as `self.cost` for `choose`."""
         self._empty_step()
 
-        def timed(fn, t: int) -> float:
-            best = float("inf")
-            passes = repeats + 1 if t <= long_tokens else 1
-            for i in range(passes):
-                torch.cuda.synchronize(self.device)
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize(self.device)
-                if i or passes == 1:
-                    best = min(best, time.perf_counter() - t0)
-            return best * 1e3
+        def passes(t: int) -> int:
+            return repeats + 1 if t <= long_tokens else 1
 
-        graph_ms = [timed(self.graphs[t].replay, t) for t in self.sizes]
-        eager_ms = [timed(lambda t=t: self._forward(t), t) for t in self.sizes]
-        self.cost = PaddingCostModel(tuple(self.sizes), tuple(graph_ms), tuple(eager_ms))
-        log.info("mixed-step graph cost model (ms per forward, graph / eager): %s; the first "
-                 "token count run eagerly: %s", ", ".join(
-                     f"{t}: {g:.2f}/{e:.2f}" for t, g, e in zip(self.sizes, graph_ms, eager_ms,
-                                                                strict=True)),
-                 self.cost.eager_from())
-        return self.cost
-
-    def padded_size(self, num_tokens: int) -> int | None:
-        return next_size(self.sizes, num_tokens)
-
-    def choose(self, num_tokens: int) -> int | None:
-        """The captured size a step of `num_tokens` replays, or None to run it eagerly."""
-        if self.cost is not None:
-            return self.cost.choose(num_tokens)
-        return self.padded_size(num_tokens)
+        graph_ms = [best_ms(self.graphs[t].replay, self.device, passes(t)) for t in self.sizes]
+        eager_ms = [best_ms(lambda t=t: self._forward(t), self.device, passes(t))
+                    for t in self.sizes]
+        return self._keep_costs(graph_ms, eager_ms, "mixed-step graph")
 
     def load(self, t: int, num_seqs: int, ids: torch.Tensor, positions: torch.Tensor,
              slots: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -14,9 +14,11 @@ and gathered once per forward, then shared by all layers.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,8 @@ from bucketserve.kernels import cpu_decode
 from bucketserve.kernels.attention import AttentionBackend, get_forward_context
 from bucketserve.kernels.triton_ops import apply_rotary, rms_norm, silu_and_mul  # CPU-safe
 from bucketserve.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -69,20 +73,80 @@ def onednn_packing_available() -> bool:
 
 def cpu_gemm_backend() -> str | None:
     """Which packed float32 GEMM the CPU projections use: BUCKETSERVE_CPU_GEMM = "onednn",
-    "mkl" or "auto" (default: oneDNN where this torch has it, else MKL; None: neither).
+    "mkl" or "auto" (the default). "auto" is returned as is when this torch has both: the
+    first model packed then measures them on its own weights (measure_cpu_gemm) and keeps
+    the faster for the process. None: neither is available.
 
-    oneDNN picks its kernels by the CPU's instruction set, MKL also by its vendor: on the AMD
-    EPYC (Zen 5, AVX-512) of this project's 2-core machine MKL's packed sgemm ran its AVX2
-    kernels at ~110 GFLOP/s per core and oneDNN's AVX-512 ones at ~250 (bench/cpu_profile.py
-    measures both at the model's shapes)."""
+    Neither wins everywhere. oneDNN picks its kernels by the CPU's instruction set, MKL also by
+    its vendor: on the AMD EPYC (Zen 5, AVX-512) of this project's 2-core machine MKL's packed
+    sgemm ran its AVX2 kernels at ~110 GFLOP/s per core and oneDNN's AVX-512 ones at ~250; on
+    an Intel Xeon (AVX-512, AMX) MKL's ran at 153 GFLOP/s at 16 rows against oneDNN's 81, and
+    faster at every row count measured (bench/cpu_profile.py measures both at the model's
+    shapes)."""
     want = os.environ.get("BUCKETSERVE_CPU_GEMM", "auto").strip().lower() or "auto"
     if want not in ("auto", "onednn", "mkl"):
         raise ValueError(f"BUCKETSERVE_CPU_GEMM={want!r}: expected auto, onednn or mkl")
-    if want in ("auto", "onednn") and onednn_packing_available():
+    dnn, mkl = onednn_packing_available(), mkl_packing_available()
+    if want == "auto" and dnn and mkl:
+        return "auto"
+    if want in ("auto", "onednn") and dnn:
         return "onednn"
-    if want in ("auto", "mkl") and mkl_packing_available():
+    if want in ("auto", "mkl") and mkl:
         return "mkl"
     return None
+
+
+def _pack_as(backend: str, weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
+    if backend == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), batch_hint)
+
+
+def _linear_as(backend: str, x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    if backend == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+
+
+# What "auto" times on a model's largest projection: 32 GEMMs of 16 rows (decode-sized) and one
+# of 512 (prefill-sized), the same rows in both, twice per backend, alternating.
+_GEMM_PROBE = ((16, 32), (512, 1))
+
+
+@torch.inference_mode()
+def measure_cpu_gemm(weight: torch.Tensor, rounds: int = 2) -> tuple[str, dict[str, float]]:
+    """The faster packed backend ("onednn" or "mkl") for a float32 [out, in] weight, with each
+    one's best time (ms) for the rows of _GEMM_PROBE. Both give the same results to rounding
+    (tests/test_cpu_threads.py), so the choice only moves speed."""
+    xs = {rows: torch.randn(rows, weight.shape[1]) for rows, _ in _GEMM_PROBE}
+    packed = {b: _pack_as(b, weight) for b in ("onednn", "mkl")}
+    best = {b: float("inf") for b in packed}
+    for _ in range(rounds):
+        for b, p in packed.items():
+            _linear_as(b, xs[16], p, weight, None)  # warm-up
+            t0 = time.perf_counter()
+            for rows, reps in _GEMM_PROBE:
+                for _ in range(reps):
+                    _linear_as(b, xs[rows], p, weight, None)
+            best[b] = min(best[b], (time.perf_counter() - t0) * 1e3)
+    return min(best, key=best.get), best
+
+
+def _resolve_gemm(module: nn.Module) -> None:
+    """BUCKETSERVE_CPU_GEMM=auto: measures both backends once, on the largest projection of
+    the first module packed, and keeps the faster for the process."""
+    global _GEMM
+    if _GEMM != "auto":
+        return
+    weight = max((sub.weight for sub in module.modules() if isinstance(sub, Linear)),
+                 key=lambda w: w.numel(), default=None)
+    if weight is None:
+        return
+    _GEMM, times = measure_cpu_gemm(weight)
+    log.info("CPU GEMM: %s (BUCKETSERVE_CPU_GEMM=auto, measured on a %dx%d weight, %d and %d "
+             "rows: %s)", _GEMM, *weight.shape, *(rows for rows, _ in _GEMM_PROBE),
+             ", ".join(f"{b} {t:.1f} ms" for b, t in times.items()))
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
@@ -91,16 +155,12 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
     CPU decode steps (measured: 64 rows x 576 -> 3072, 8.0 ms -> 2.1 ms on 2 cores, MKL) and no
     slower at prefill sizes; oneDNN's layout chosen for 64 rows serves 8..2048 rows at the
     same rate."""
-    if _GEMM == "onednn":
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), batch_hint)
+    return _pack_as(_GEMM, weight, batch_hint)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    if _GEMM == "onednn":
-        return _dnn_linear(x, packed, bias, "none", [], "")
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+    return _linear_as(_GEMM, x, packed, weight, bias)
 
 
 def pack_linear_weights(module: nn.Module, weight: torch.Tensor) -> bool:
@@ -110,6 +170,7 @@ def pack_linear_weights(module: nn.Module, weight: torch.Tensor) -> bool:
     otherwise."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or _GEMM is None:
         return False
+    _resolve_gemm(module)
     for sub in module.modules():
         if isinstance(sub, Linear):
             sub.packed = pack_weight(sub.weight)
