@@ -161,7 +161,8 @@ def test_cache_key_includes_cpu_features(tmp_path, monkeypatch):
 @needs_kernels
 @pytest.mark.skipif(cpu_decode.host_isa() < 2, reason="the host has no AVX2")
 def test_avx2_build_matches_reference(tmp_path):
-    """The build an AVX2-only machine gets, run here: same results as the torch reference."""
+    """The build an AVX2-only machine gets, run here: same results as the torch reference
+    (decode and prefill kernels), and "auto" leaves prompt attention to SDPA there."""
     script = textwrap.dedent("""
         import torch
         from bucketserve.kernels import cpu_decode
@@ -186,6 +187,37 @@ def test_avx2_build_matches_reference(tmp_path):
             cpu_decode.paged_decode(q, k, v, tables, meta.seq_lens, d ** -0.5, out)
             ref = reference_attention(q, k, v, meta, d ** -0.5)
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+        # the prefill kernel's 8-row vectors (AVX2): prompts and chunks over a cached prefix
+        from bucketserve.kernels.attention import AttentionBackend, c_prefill_default
+        assert not c_prefill_default()  # "auto" gives prompt attention to SDPA on AVX2
+        for hq, hkv, d in [(9, 3, 64), (8, 2, 32)]:
+            seqs = [(0, 1), (0, 13), (0, 40), (5, 33), (64, 17), (100, 130)]
+            bs, nblocks = 16, 60
+            k = torch.randn(nblocks, bs, hkv, d)
+            v = torch.randn_like(k)
+            perm = (torch.randperm(nblocks - 1) + 1).tolist()
+            tables, at = [], 0
+            for c, n in seqs:
+                m = -(-(c + n) // bs)
+                tables.append(perm[at:at + m])
+                at += m
+            width = max(map(len, tables))
+            qlens, lens = [n for _, n in seqs], [c + n for c, n in seqs]
+            q = torch.randn(sum(qlens), hq, d)
+            meta = AttentionMetadata(
+                slot_mapping=torch.zeros(len(q), dtype=torch.int64),
+                query_start_loc=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()],
+                                             dtype=torch.int32),
+                seq_lens=torch.tensor(lens, dtype=torch.int32),
+                block_tables=torch.tensor([x + [0] * (width - len(x)) for x in tables],
+                                          dtype=torch.int32),
+                num_decodes=0, max_query_len=max(qlens), max_seq_len=max(lens),
+                query_lens_cpu=qlens, seq_lens_cpu=lens)
+            backend = AttentionBackend()
+            backend.c_prefill = True
+            got = backend.attend(q, k, v, meta, d ** -0.5)
+            ref = reference_attention(q, k, v, meta, d ** -0.5)
+            torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
         print("ok")
     """)
     env = {**os.environ, "BUCKETSERVE_CPU_KERNELS_MARCH": "x86-64-v3",
@@ -242,6 +274,7 @@ def test_prefill_kernel_matches_torch_attention(hq, hkv, d, decodes):
     scale = d ** -0.5
     ref = reference_attention(q, k_cache, v_cache, meta, scale)
     backend = AttentionBackend()
-    assert backend.c_prefill and cpu_decode.prefill_supported(q, k_cache)
+    backend.c_prefill = True  # the C kernel whatever "auto" picks on this machine
+    assert cpu_decode.prefill_supported(q, k_cache)
     got = backend.attend(q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)

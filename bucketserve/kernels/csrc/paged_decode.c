@@ -415,51 +415,66 @@ void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter, int 
 #define PF_TILE 16   /* query positions per item (fewer when G is large) */
 #define PF_ROWS 128  /* rows (positions x G) per item */
 
-typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
-
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
-static inline v16 fma16(v16 a, v16 b, v16 c) { /* a * b + c, fused */
+/* Rows per vector: one register's lanes. 16 with AVX-512; 8 with AVX2, whose 16 registers
+ * hold 16 key positions' scores of 8 rows but not of 16 (a 16-lane vector there is two
+ * registers and every product spills: the AVX2 build of the 16-lane kernel ran at 1 GFLOP/s,
+ * 45x slower than this one). */
 #if defined(__AVX512F__)
-    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__AVX2__) && defined(__FMA__)
-    union { v16 v; __m256 h[2]; } x = {a}, y = {b}, z = {c}, r;
-    r.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
-    r.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
-    return r.v;
+#define VL 16
+#define KB 16 /* key positions scored at once (a pool block, or half of one) */
 #else
-    v16 r;
-    for (int i = 0; i < 16; ++i) r[i] = fmaf(a[i], b[i], c[i]);
+#define VL 8
+#define KB 8
+#endif
+typedef float vf __attribute__((vector_size(4 * VL), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * VL), aligned(4)));
+
+static inline vf ldv(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vf fmav(vf a, vf b, vf c) { /* a * b + c, fused */
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    vf r;
+    for (int i = 0; i < VL; ++i) r[i] = fmaf(a[i], b[i], c[i]);
     return r;
 #endif
 }
 
-static inline v16 bcast16(float x) { return (v16){0} + x; }
+static inline vf bcastv(float x) { return (vf){0} + x; }
 
-static inline v16 max16(v16 a, v16 b) {
-    const v16i gt = a > b;
-    return (v16)(((v16i)a & gt) | ((v16i)b & ~gt));
+static inline vf maxv(vf a, vf b) {
+    const vi gt = a > b;
+    return (vf)(((vi)a & gt) | ((vi)b & ~gt));
 }
 
 /* exp_poly lane-wise */
-static inline v16 exp16(v16 x) {
-    x = max16(x, bcast16(-87.0f));
-    x = -max16(-x, bcast16(-88.0f));
-    const v16 t = x * 1.44269504088896341f;
-    const v16 n = (t + 12582912.0f) - 12582912.0f;
-    v16 r = fma16(n, bcast16(-0.693145751953125f), x);
-    r = fma16(n, bcast16(-1.428606765330187e-06f), r);
-    v16 p = bcast16(1.3888889e-03f);
-    p = fma16(p, r, bcast16(8.3333333e-03f));
-    p = fma16(p, r, bcast16(4.1666667e-02f));
-    p = fma16(p, r, bcast16(1.6666667e-01f));
-    p = fma16(p, r, bcast16(0.5f));
-    p = fma16(p, r, bcast16(1.0f));
-    p = fma16(p, r, bcast16(1.0f));
-    const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return p * (v16)e;
+static inline vf expv(vf x) {
+    x = maxv(x, bcastv(-87.0f));
+    x = -maxv(-x, bcastv(-88.0f));
+    const vf t = x * 1.44269504088896341f;
+    const vf n = (t + 12582912.0f) - 12582912.0f;
+    vf r = fmav(n, bcastv(-0.693145751953125f), x);
+    r = fmav(n, bcastv(-1.428606765330187e-06f), r);
+    vf p = bcastv(1.3888889e-03f);
+    p = fmav(p, r, bcastv(8.3333333e-03f));
+    p = fmav(p, r, bcastv(4.1666667e-02f));
+    p = fmav(p, r, bcastv(1.6666667e-01f));
+    p = fmav(p, r, bcastv(0.5f));
+    p = fmav(p, r, bcastv(1.0f));
+    p = fmav(p, r, bcastv(1.0f));
+    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)e;
 }
 
 typedef struct {
@@ -475,12 +490,12 @@ static inline __attribute__((always_inline)) void prefill_item(
         const Prefill *j, int64_t s, int64_t h, int64_t i0, int64_t nq, const int64_t G,
         const int64_t D) {
     const int64_t pos_stride = j->hkv * D;
-    const int64_t nrows = nq * G, ngroups = (nrows + 15) / 16;
+    const int64_t nrows = nq * G, ngroups = (nrows + VL - 1) / VL;
     const int64_t qlen = j->qlen[s], klen = j->klen[s];
     const int64_t first = klen - qlen + i0; /* position of the tile's first query */
     const int64_t last = first + nq - 1;
     const int32_t *table = j->tables + s * j->table_stride;
-    const int64_t W = ngroups * 16; /* row stride of qt / ot */
+    const int64_t W = ngroups * VL; /* row stride of qt / ot */
     float qt[D * W] __attribute__((aligned(64))); /* Q^T [D][W] */
     float ot[D * W] __attribute__((aligned(64))); /* O^T [D][W] */
     float m[PF_ROWS] __attribute__((aligned(64))), l[PF_ROWS] __attribute__((aligned(64)));
@@ -501,46 +516,51 @@ static inline __attribute__((always_inline)) void prefill_item(
         const int64_t blk = table[b];
         const float *kb = j->k_cache + blk * 16 * pos_stride + h * D;
         const float *vb = j->v_cache + blk * 16 * pos_stride + h * D;
-        const int64_t k0 = b * 16;
-        const int masked = k0 + 15 > first; /* some row sees only part of this block */
+        for (int64_t sub = 0; sub < 16; sub += KB) {
+        const float *ks = kb + sub * pos_stride, *vs = vb + sub * pos_stride;
+        const int64_t k0 = b * 16 + sub;
+        if (k0 > last)
+            break; /* no row of the tile sees these keys */
+        const int masked = k0 + KB - 1 > first; /* some row sees only part of these keys */
         for (int64_t grp = 0; grp < ngroups; ++grp) {
-            const int64_t r0 = grp * 16;
-            if (masked && (float)k0 > rowpos[r0 + 15] && (float)k0 > rowpos[r0])
-                continue; /* no row of this group sees any key of the block */
-            v16 st[16];
-            for (int t = 0; t < 16; ++t) st[t] = (v16){0};
+            const int64_t r0 = grp * VL;
+            if (masked && (float)k0 > rowpos[r0 + VL - 1] && (float)k0 > rowpos[r0])
+                continue; /* no row of this group sees any of these keys */
+            vf st[KB]; /* the scores of KB key positions, a vector of rows each */
+            for (int t = 0; t < KB; ++t) st[t] = (vf){0};
             for (int64_t c = 0; c < D; ++c) {
-                const v16 qc = ld16(qt + c * W + r0);
-                for (int t = 0; t < 16; ++t) st[t] = fma16(qc, bcast16(kb[t * pos_stride + c]), st[t]);
+                const vf qc = ldv(qt + c * W + r0);
+                for (int t = 0; t < KB; ++t) st[t] = fmav(qc, bcastv(ks[t * pos_stride + c]), st[t]);
             }
-            const v16 pos = ld16(rowpos + r0);
-            v16 mx = ld16(m + r0);
-            const v16 mold = mx;
-            v16i keep[16];
-            for (int t = 0; t < 16; ++t) {
+            const vf pos = ldv(rowpos + r0);
+            vf mx = ldv(m + r0);
+            const vf mold = mx;
+            vi keep[KB];
+            for (int t = 0; t < KB; ++t) {
                 st[t] *= j->scale;
-                keep[t] = bcast16((float)(k0 + t)) <= pos; /* causal: key position <= row's */
-                const v16 sm = (v16)(((v16i)st[t] & keep[t]) | ((v16i)bcast16(-INFINITY) & ~keep[t]));
-                mx = max16(mx, sm);
+                keep[t] = bcastv((float)(k0 + t)) <= pos; /* causal: key position <= row's */
+                const vf sm = (vf)(((vi)st[t] & keep[t]) | ((vi)bcastv(-INFINITY) & ~keep[t]));
+                mx = maxv(mx, sm);
             }
-            const v16 corr = exp16(mold - mx); /* rows with m = -inf: exp(-inf) -> ~0, acc is 0 */
-            v16 lsum = (v16){0};
-            for (int t = 0; t < 16; ++t) {
-                st[t] = (v16)((v16i)exp16(st[t] - mx) & keep[t]);
+            const vf corr = expv(mold - mx); /* rows with m = -inf: exp(-inf) -> ~0, acc is 0 */
+            vf lsum = (vf){0};
+            for (int t = 0; t < KB; ++t) {
+                st[t] = (vf)((vi)expv(st[t] - mx) & keep[t]);
                 lsum += st[t];
             }
             memcpy(m + r0, &mx, sizeof mx);
-            const v16 lnew = ld16(l + r0) * corr + lsum;
+            const vf lnew = ldv(l + r0) * corr + lsum;
             memcpy(l + r0, &lnew, sizeof lnew);
             for (int64_t c0 = 0; c0 < D; c0 += 8) {
-                v16 acc[8];
-                for (int c = 0; c < 8; ++c) acc[c] = ld16(ot + (c0 + c) * W + r0) * corr;
-                for (int t = 0; t < 16; ++t) {
-                    const float *vt = vb + t * pos_stride + c0;
-                    for (int c = 0; c < 8; ++c) acc[c] = fma16(st[t], bcast16(vt[c]), acc[c]);
+                vf acc[8];
+                for (int c = 0; c < 8; ++c) acc[c] = ldv(ot + (c0 + c) * W + r0) * corr;
+                for (int t = 0; t < KB; ++t) {
+                    const float *vt = vs + t * pos_stride + c0;
+                    for (int c = 0; c < 8; ++c) acc[c] = fmav(st[t], bcastv(vt[c]), acc[c]);
                 }
-                for (int c = 0; c < 8; ++c) memcpy(ot + (c0 + c) * W + r0, &acc[c], sizeof(v16));
+                for (int c = 0; c < 8; ++c) memcpy(ot + (c0 + c) * W + r0, &acc[c], sizeof(vf));
             }
+        }
         }
     }
     for (int64_t r = 0; r < nrows; ++r) {
