@@ -11,6 +11,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton runs in its interpreter (the Triton kernels' CPU tests,
+# tests/triton_interp.py). Set before anything imports triton: its own library functions
+# (tl.cdiv, ...) are made interpreted or compiled when it is imported, and transformers
+# imports it with its Llama model.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def smollm2_gguf() -> Path:

@@ -1,9 +1,10 @@
 """Triton's interpreter on the CPU, for tests of the Triton kernels without a GPU.
 
-`interpreted_triton()` must run before anything imports bucketserve.kernels.triton_attention
-(the @triton.jit decorators read TRITON_INTERPRET when they run). It skips the calling
-test module when triton is not installed or when a GPU is there (the GPU tests then run
-the compiled kernels, which an interpreted module in the same process would replace).
+tests/conftest.py sets TRITON_INTERPRET=1 on a machine without a GPU before anything imports
+triton (the @triton.jit decorators, triton's own library functions among them, read it when
+they run). `interpreted_triton()` checks that, patches the interpreter for NumPy 2, and skips
+the calling test when triton is not installed or when a GPU is there (the GPU tests then run
+the compiled kernels).
 """
 
 from __future__ import annotations
@@ -18,11 +19,17 @@ def interpreted_triton() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the compiled kernels are tested by the GPU tests",
                     allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"
     try:
+        import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
         pytest.skip("triton is not installed", allow_module_level=True)
+    # conftest.py sets TRITON_INTERPRET=1 before anything imports triton; triton imported
+    # earlier would have compiled-mode library functions, which the interpreter cannot call
+    if os.environ.get("TRITON_INTERPRET") != "1" or not isinstance(tl.cdiv,
+                                                                  interpreter.InterpretedFunction):
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py "
+                    "sets it on machines without a GPU)")
     # The interpreter turns a scalar tensor into an int with int(ndarray), which NumPy 2
     # refuses for the one-element arrays its scalars are: take the element instead.
     patch = interpreter._patch_lang_tensor
