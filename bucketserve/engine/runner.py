@@ -423,7 +423,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         inp = self.inputs
         plan = inp.fill(batch, self._last_index)
-        path, size = self._choose_forward(plan)
+        path, size, padding = self._choose_forward(plan)
         if path == "mixed_graph":  # inputs straight into the graph's static buffers
             ids = self._load_mixed_graph(size, plan)
             pos = meta = None
@@ -445,8 +445,6 @@ class ModelRunner:
             hidden = self._forward_piecewise(size, ids, pos, meta)
         else:
             hidden = self._forward_eager(ids, pos, meta)
-        padding = size - (plan.num_seqs if path == "decode_graph" else plan.num_tokens) \
-            if size else 0
         t2 = time.perf_counter()
         step = self._sample(batch, plan, hidden, rows, padding)
         st = self.step_timing
@@ -470,23 +468,24 @@ class ModelRunner:
 
     # -- the forwards: decode graph, mixed-step graph, piecewise graphs, eager -------------
 
-    def _choose_forward(self, plan: StepPlan) -> tuple[str, int]:
-        """(path, captured size) of a step: "decode_graph" (size: the padded batch),
-        "mixed_graph" / "piecewise" (size: the padded token count; self.piecewise is a
-        MixedGraphs or a PiecewiseGraphs), or "eager" (size 0)."""
+    def _choose_forward(self, plan: StepPlan) -> tuple[str, int, int]:
+        """(path, captured size, padding rows) of a step: "decode_graph" (size: the padded
+        batch), "mixed_graph" / "piecewise" (size: the padded token count; self.piecewise is
+        a MixedGraphs or a PiecewiseGraphs), or "eager" (size and padding 0)."""
         g = self.graphs
         if g is not None and plan.is_decode:
             bs = g.padded_size(plan.num_seqs)
             if bs is not None:
-                return "decode_graph", bs
+                return "decode_graph", bs, bs - plan.num_seqs
         pw = self.piecewise
         if pw is not None:
             t = pw.choose(plan.num_tokens)
             if t is not None:
-                return ("mixed_graph" if pw.attention_in_graph else "piecewise"), t
+                path = "mixed_graph" if pw.attention_in_graph else "piecewise"
+                return path, t, t - plan.num_tokens
             if pw.padded_size(plan.num_tokens) is not None:
                 self.num_cost_eager_steps += 1
-        return "eager", 0
+        return "eager", 0, 0
 
     def _load_mixed_graph(self, t: int, plan: StepPlan) -> torch.Tensor:
         """The step's host buffers -> the static inputs of the mixed-step graph of size t

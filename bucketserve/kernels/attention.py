@@ -34,6 +34,9 @@ from bucketserve.kernels import cpu_decode
 # Query rows per program of the prefill kernel (kernels/triton_attention.py), and so the unit
 # of the prefill tiles below.
 PREFILL_BLOCK_M = 64
+# A prefill tile of a fixed-grid launch packed in one int32: sequence << TILE_SHIFT | query
+# tile (the Triton prefill kernel unpacks it).
+TILE_SHIFT = 16
 
 
 @dataclass
@@ -43,8 +46,8 @@ class FixedGrid:
     (kernels/cuda_graphs.MixedGraphs). Only the Triton backend reads it.
 
     The decode grid has `max_decodes` rows, of which rows below num_decodes[0] run; the
-    prefill grid has one program per entry of `tiles` (prefill_tiles: sequence << 16 | query
-    tile, -1 for none)."""
+    prefill grid has one program per entry of `tiles` (prefill_tiles: sequence << TILE_SHIFT |
+    query tile, -1 for none)."""
 
     num_decodes: torch.Tensor  # int32 [1], on the device
     max_decodes: int
@@ -61,19 +64,21 @@ def max_prefill_tiles(num_tokens: int, max_seqs: int, block_m: int = PREFILL_BLO
 def prefill_tiles(query_lens: list[int], first_seq: int, out: np.ndarray,
                   block_m: int = PREFILL_BLOCK_M) -> int:
     """Writes the prefill tiles of sequences first_seq.. (query lengths query_lens[first_seq:])
-    into out (int32): sequence << 16 | query tile, in sequence order, then -1 to the end of
+    into out (int32): sequence << TILE_SHIFT | query tile, in sequence order, then -1 to the end of
     out. Returns the number of tiles."""
-    if len(query_lens) > 1 << 15:
-        raise ValueError(f"{len(query_lens)} sequences: a prefill tile names at most 32,768")
+    if len(query_lens) > 1 << (31 - TILE_SHIFT):
+        raise ValueError(f"{len(query_lens)} sequences: a prefill tile names at most "
+                         f"{1 << (31 - TILE_SHIFT)}")
     k = 0
     for i in range(first_seq, len(query_lens)):
         nb = -(-query_lens[i] // block_m)
         if k + nb > len(out):
             raise ValueError(f"the prefill needs more than {len(out)} tiles")
+        base = i << TILE_SHIFT
         if nb == 1:
-            out[k] = i << 16
+            out[k] = base
         else:
-            out[k:k + nb] = np.arange(i << 16, (i << 16) + nb, dtype=np.int32)
+            out[k:k + nb] = np.arange(base, base + nb, dtype=np.int32)
         k += nb
     out[k:] = -1
     return k

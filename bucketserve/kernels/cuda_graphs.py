@@ -28,7 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from bucketserve.kernels.attention import AttentionMetadata, forward_context
+from bucketserve.kernels.attention import (
+    AttentionMetadata,
+    FixedGrid,
+    forward_context,
+    max_prefill_tiles,
+)
 
 log = logging.getLogger(__name__)
 
@@ -453,8 +458,6 @@ class MixedGraphs(TokenCountGraphs):
                  capture: bool = True) -> None:
         """capture=False (CPU tests, with the Triton kernels interpreted): run() runs the
         same forward eagerly over the same static buffers instead of replaying a graph."""
-        from bucketserve.kernels.attention import max_prefill_tiles
-
         if not sizes or min(sizes) < 1:
             raise ValueError(f"mixed graph sizes must be positive, got {sizes}")
         self.model = model
@@ -469,10 +472,12 @@ class MixedGraphs(TokenCountGraphs):
         self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, **kw)
         self.seq_lens = torch.ones(max_seqs, dtype=torch.int32, **kw)
         self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, **kw)
-        self.max_tiles = max_prefill_tiles(tmax, max_seqs)
+        # prefill tiles each size's graph launches (looked up per step, computed once)
+        self._tiles = {t: max_prefill_tiles(t, max_seqs) for t in self.sizes}
+        self.max_tiles = self._tiles[tmax]
         # [0]: the step's decode count; [1:]: its prefill tiles (-1: none)
-        self.counts = torch.full((1 + self.max_tiles,), -1, dtype=torch.int32, **kw)
-        self.counts[0] = 0
+        self.counts = torch.empty(1 + self.max_tiles, dtype=torch.int32, **kw)
+        self._empty_step()
         self.use_graphs = capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # static hidden [T, H] per graph
@@ -481,13 +486,9 @@ class MixedGraphs(TokenCountGraphs):
 
     def num_tiles(self, t: int) -> int:
         """Prefill tiles the graph of size t launches (kernels.attention.max_prefill_tiles)."""
-        from bucketserve.kernels.attention import max_prefill_tiles
-
-        return max_prefill_tiles(t, self.max_seqs)
+        return self._tiles[t]
 
     def _meta(self, t: int) -> AttentionMetadata:
-        from bucketserve.kernels.attention import FixedGrid
-
         fixed = FixedGrid(num_decodes=self.counts[:1], max_decodes=min(t, self.max_seqs),
                           tiles=self.counts[1:1 + self.num_tiles(t)])
         return AttentionMetadata(
@@ -557,7 +558,7 @@ class MixedGraphs(TokenCountGraphs):
         [>= 1 + num_tiles(t)] (decode count, prefill tiles padded with -1)."""
         n = num_seqs
         width = block_tables.shape[1]
-        if t not in self.sizes or n > self.max_seqs or width > self.block_tables.shape[1] \
+        if t not in self._tiles or n > self.max_seqs or width > self.block_tables.shape[1] \
                 or (self.use_graphs and t not in self.graphs):
             raise ValueError(f"no mixed-step graph for {t} tokens and {n} sequences")
         nb = dict(non_blocking=True)
@@ -567,7 +568,7 @@ class MixedGraphs(TokenCountGraphs):
         self.query_start_loc[:n + 1].copy_(query_start_loc[:n + 1], **nb)
         self.seq_lens[:n].copy_(seq_lens[:n], **nb)
         self.block_tables[:n, :width].copy_(block_tables[:n], **nb)
-        k = 1 + self.num_tiles(t)
+        k = 1 + self._tiles[t]
         self.counts[:k].copy_(counts[:k], **nb)
 
     def run(self, t: int, num_tokens: int) -> torch.Tensor:

@@ -33,12 +33,17 @@ import torch
 import triton
 import triton.language as tl
 
-from bucketserve.kernels.attention import PREFILL_BLOCK_M, AttentionBackend, AttentionMetadata
+from bucketserve.kernels.attention import (
+    PREFILL_BLOCK_M,
+    TILE_SHIFT,
+    AttentionBackend,
+    AttentionMetadata,
+)
 
 _LOG2E = 1.4426950408889634
-# a prefill tile of a fixed-grid launch, packed in one int32: sequence << 16 | query tile
-TILE_SHIFT: tl.constexpr = tl.constexpr(16)
-TILE_MASK: tl.constexpr = tl.constexpr((1 << 16) - 1)
+# a prefill tile of a fixed-grid launch (kernels/attention.prefill_tiles): sequence, query tile
+_TILE_SHIFT: tl.constexpr = tl.constexpr(TILE_SHIFT)
+_TILE_MASK: tl.constexpr = tl.constexpr((1 << TILE_SHIFT) - 1)
 
 
 @triton.jit
@@ -161,8 +166,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, q
         tile = tl.load(tiles_ptr + tl.program_id(0))
         if tile < 0:
             return
-        s = tile >> TILE_SHIFT
-        mblk = tile & TILE_MASK
+        s = tile >> _TILE_SHIFT
+        mblk = tile & _TILE_MASK
     else:
         mblk = tl.program_id(0)
         s = first_seq + tl.program_id(1)

@@ -104,9 +104,11 @@ def _pack_as(backend: str, weight: torch.Tensor, batch_hint: int = 64) -> torch.
 
 def _linear_as(backend: str, x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
+    # the ops bound once below (_dnn_linear, _mkl_linear): a torch.ops lookup per call costs
+    # microseconds on the per-projection path
     if backend == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+        return _dnn_linear(x, packed, bias, "none", [], "")
+    return _mkl_linear(x, packed, weight, bias, x.shape[0])
 
 
 # What "auto" times on a model's largest projection: 32 GEMMs of 16 rows (decode-sized) and one
@@ -196,9 +198,7 @@ def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
     packed, weight, bias = lin
     if packed is None:
         return F.linear(x, weight, bias)
-    if _GEMM == "onednn":
-        return _dnn_linear(x, packed, bias, "none", [], "")
-    return _mkl_linear(x, packed, weight, bias, x.shape[0])
+    return _linear_as(_GEMM, x, packed, weight, bias)
 
 
 class Linear(nn.Module):
