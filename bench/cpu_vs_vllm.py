@@ -120,13 +120,21 @@ def loadgen(client_python: str, port: int, model: str, workload: Path, concurren
     return json.loads(out.read_text())
 
 
+def no_prefix_cache_toml(tmp: Path) -> Path:
+    """A buckets file with prefix caching off (the defaults otherwise), for bucketserve."""
+    path = tmp / "no_prefix_cache.toml"
+    path.write_text("[kv_cache]\nprefix_caching = false\n")
+    return path
+
+
 def start_server(system: str, args, tmp: Path) -> tuple[subprocess.Popen, int, dict]:
     port = free_port()
     env = dict(os.environ) if system.startswith("bucketserve") else peer_env()
     if system.startswith("bucketserve"):
+        # the rounds repeat the same prompts and vLLM runs with its prefix cache off: ours off too
         cmd = [sys.executable, "-m", "bucketserve.server.cli", "serve", "--port", str(port),
                "--model", args.hf_dir, "--embedding-model", "none", "--dtype", "float32",
-               "--log-level", "warning"]
+               "--log-level", "warning", "--buckets", str(no_prefix_cache_toml(tmp))]
         for variant in system.split("-")[1:]:
             if variant not in VARIANTS:
                 raise SystemExit(f"unknown system {system!r}: variants are {sorted(VARIANTS)}")
@@ -221,7 +229,8 @@ from bucketserve.kernels import cpu_decode
 from bucketserve.models import load_model
 reqs = json.load(open(sys.argv[1])); runs = int(sys.argv[3])
 loaded = load_model(sys.argv[2], dtype=torch.float32)
-engine = LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len))
+# the timed runs repeat the prompts and vLLM runs with prefix caching off: ours off too
+engine = LLMEngine(loaded, load_buckets(sys.argv[5], max_model_len=loaded.max_model_len))
 def go(rs):
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in rs]
     t0 = time.perf_counter()
@@ -288,8 +297,8 @@ def offline(system: str, args, reqs_path: Path, tmp: Path) -> dict:
     result = tmp / f"offline_{system}.json"
     with open(tmp / f"offline_{system}.log", "w") as log:
         subprocess.run([python, str(script), str(reqs_path), args.hf_dir, str(args.offline_runs),
-                        str(result)], env=env, stdout=log, stderr=subprocess.STDOUT, check=True,
-                       cwd=str(tmp))
+                        str(result), str(no_prefix_cache_toml(tmp))], env=env, stdout=log,
+                       stderr=subprocess.STDOUT, check=True, cwd=str(tmp))
     out = json.loads(result.read_text())
     out["median_output_tok_s"] = statistics.median(r["output_tok_s"] for r in out["runs"])
     print(f"offline {system}: {out['median_output_tok_s']} tok/s", flush=True)
