@@ -9,9 +9,10 @@
 2. `bucketserve serve` with the shipped buckets and --request-log: the trace is replayed at its
    pace (`bench --trace`), then run closed-loop (`bench --workload`, --concurrency) for
    throughput. The replay's request log is kept.
-3. `bucketserve tune-buckets` on that request log -> tuned.toml (checked).
-4. The same server with tuned.toml: the *request log* of step 2 is replayed (its arrival
-   pattern), then the same closed-loop run.
+3. `bucketserve tune-buckets` on the request log of both runs of step 2 (the traffic the
+   tuned file is then measured on) -> tuned.toml (checked).
+4. The same server with tuned.toml: the replay's request log of step 2 is replayed (its
+   arrival pattern), then the same closed-loop run.
 5. Inter-arrival gaps of the recorded log (step 2) vs the log recorded while replaying it
    (step 4): histograms and the two-sample KS statistic.
 Everything lands in --out-dir: JSON per run, the logs, tuned.toml, figures, summary.json.
@@ -90,6 +91,16 @@ def bench(port: int, out_dir: str, name: str, *args: str) -> dict:
         return json.load(f)
 
 
+def closed(port: int, out_dir: str, name: str, runs: int, *args: str) -> dict:
+    """`runs` closed-loop runs: the median one (output tok/s), with every run's figures."""
+    results = [bench(port, out_dir, name if i == 0 else f"{name}_{i + 1}", *args)
+               for i in range(runs)]
+    ranked = sorted(results, key=lambda r: r["output_throughput"])
+    median = dict(ranked[(len(ranked) - 1) // 2])
+    median["runs_output_tok_s"] = [r["output_throughput"] for r in results]
+    return median
+
+
 def gaps(path: str) -> list[float]:
     with open(path) as f:
         times = sorted(json.loads(line)["arrival"] for line in f if line.strip())
@@ -103,6 +114,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=80)
     ap.add_argument("--rate", type=float, default=1.0, help="trace arrival rate, requests/s")
     ap.add_argument("--concurrency", type=int, default=8, help="closed-loop runs")
+    ap.add_argument("--closed-runs", type=int, default=1,
+                    help="closed-loop runs per configuration; the median (by output tok/s) is "
+                         "reported, every run kept in <name>_runs")
     ap.add_argument("--output-len", default="16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true",
@@ -150,16 +164,26 @@ def run_default(a, d, trace, log_default, port, summary) -> None:
         summary["default_replay"] = bench(port, d, "default_replay", "--trace", trace,
                                           "--plot", os.path.join(d, "plots_default"))
         shutil.copy(live, log_default)
-        summary["default_closed"] = bench(port, d, "default_closed", "--workload", trace,
-                                          "--concurrency", str(a.concurrency))
+        summary["default_closed"] = closed(port, d, "default_closed", a.closed_runs,
+                                           "--workload", trace, "--concurrency", str(a.concurrency))
     finally:
         stop(proc)
-    os.remove(live)
+    # the log of both runs: the traffic the tuned file is measured on (its closed loop runs
+    # more requests at once than the paced replay ever does)
+    shutil.move(live, tuning_log(log_default))
+
+
+def tuning_log(log_default: str) -> str:
+    return log_default.replace(".jsonl", "_all.jsonl")
 
 
 def tune_and_run_tuned(a, d, trace, log_default, port, summary) -> None:
     tuned = os.path.join(d, "tuned.toml")
-    subprocess.run(cli("tune-buckets", log_default, "--out", tuned, "--device", a.device),
+    source = tuning_log(log_default)
+    if not os.path.exists(source):  # --resume on results from before the whole log was kept
+        source = log_default
+    summary["tuned_from"] = source
+    subprocess.run(cli("tune-buckets", source, "--out", tuned, "--device", a.device),
                    check=True)
     check = subprocess.run([sys.executable, "-m", "bucketserve.buckets", "check", tuned],
                            capture_output=True, text=True)
@@ -176,8 +200,9 @@ def tune_and_run_tuned(a, d, trace, log_default, port, summary) -> None:
                                         "--buckets", tuned,
                                         "--plot", os.path.join(d, "plots_tuned"))
         shutil.copy(live, log_tuned)
-        summary["tuned_closed"] = bench(port, d, "tuned_closed", "--workload", trace,
-                                        "--concurrency", str(a.concurrency), "--buckets", tuned)
+        summary["tuned_closed"] = closed(port, d, "tuned_closed", a.closed_runs, "--workload",
+                                         trace, "--concurrency", str(a.concurrency),
+                                         "--buckets", tuned)
     finally:
         stop(proc)
     os.remove(live)
@@ -199,7 +224,8 @@ def tune_and_run_tuned(a, d, trace, log_default, port, summary) -> None:
                       "embedding_padding": r.get("server", {}).get("embedding_padding_waste"),
                       "embedding_batches": r.get("server", {}).get("embedding_batches"),
                       "ttft_p50_ms": r["ttft_ms"]["p50"], "e2e_p50_ms": r["e2e_ms"]["p50"],
-                      "load_avg": r["machine"].get("load_avg")}
+                      "load_avg": r["machine"].get("load_avg"),
+                      "runs_output_tok_s": r.get("runs_output_tok_s")}
     summary["brief"] = brief
     with open(os.path.join(d, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

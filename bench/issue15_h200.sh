@@ -16,7 +16,7 @@
 # DEV=cpu: the same flow with tiny settings on a CPU (a dry run of the script itself).
 # Knobs: PARTS ("tune sweep"), RATES, FIXED_MS, SLO_MS, DUR_S, MIN_REQ, MAX_REQ, CLIENTS (sweep
 #   client processes), TUNE_REQ / TUNE_RATE / TUNE_CONC (trace size, its Poisson rate, closed-loop
-#   concurrency).
+#   concurrency), CLOSED_RUNS (closed-loop runs per configuration: the median is compared).
 # Output: $OUT/issue15_summary.txt (also printed at the end), embedding_slo_sweep_$DEV.json/.png,
 #   bucket_tuning_summary.json, tuned.toml, padding_default.png / padding_tuned.png, and
 #   issue15_all.tgz (everything: logs, request logs, all plots). Work files in WORK (/tmp/issue15).
@@ -29,12 +29,12 @@ if [ "$DEV" = cuda ]; then
   RATES=${RATES:-10,100,500,1000,2000}; FIXED_MS=${FIXED_MS:-0,2,5,20}; SLO_MS=${SLO_MS:-50}
   DUR_S=${DUR_S:-2.5}; MIN_REQ=${MIN_REQ:-40}; MAX_REQ=${MAX_REQ:-3000}; CLIENTS=${CLIENTS:-4}
   TUNE_REQ=${TUNE_REQ:-240}; TUNE_RATE=${TUNE_RATE:-12}; TUNE_CONC=${TUNE_CONC:-64}
-  TUNE_LIMIT=${TUNE_LIMIT:-210}; SWEEP_LIMIT=${SWEEP_LIMIT:-300}
+  TUNE_LIMIT=${TUNE_LIMIT:-240}; SWEEP_LIMIT=${SWEEP_LIMIT:-300}; CLOSED_RUNS=${CLOSED_RUNS:-3}
 else
   RATES=${RATES:-10,200}; FIXED_MS=${FIXED_MS:-0,5,50}; SLO_MS=${SLO_MS:-500}
   DUR_S=${DUR_S:-1}; MIN_REQ=${MIN_REQ:-10}; MAX_REQ=${MAX_REQ:-40}; CLIENTS=${CLIENTS:-1}
   TUNE_REQ=${TUNE_REQ:-12}; TUNE_RATE=${TUNE_RATE:-4}; TUNE_CONC=${TUNE_CONC:-4}
-  TUNE_LIMIT=${TUNE_LIMIT:-600}; SWEEP_LIMIT=${SWEEP_LIMIT:-600}
+  TUNE_LIMIT=${TUNE_LIMIT:-600}; SWEEP_LIMIT=${SWEEP_LIMIT:-600}; CLOSED_RUNS=${CLOSED_RUNS:-1}
 fi
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
@@ -72,7 +72,7 @@ SERVE="--model $M --embedding-model $E"
 if has tune; then
   el "bucket tuning ($TUNE_REQ requests at $TUNE_RATE/s, closed loop at $TUNE_CONC)"
   timeout -k 60 "$TUNE_LIMIT" python3 "$ROOT/bench/bucket_tuning.py" --device "$DEV" --out-dir "$W/bucket_tuning" \
-    --requests "$TUNE_REQ" --rate "$TUNE_RATE" --concurrency "$TUNE_CONC" \
+    --requests "$TUNE_REQ" --rate "$TUNE_RATE" --concurrency "$TUNE_CONC" --closed-runs "$CLOSED_RUNS" \
     --serve-args "$SERVE" --request-embedding-model "" > "$W/bucket_tuning.log" 2>&1 \
     || { echo "bucket_tuning failed or timed out:"; tail -25 "$W/bucket_tuning.log"; }
   for s in "$W"/bucket_tuning/server_*.log; do [ -f "$s" ] && grep -iE "error|traceback" "$s" | head -5; done
@@ -111,7 +111,8 @@ if os.path.exists(p):
     for kind in ("replay", "closed"):
         d, t = b[f"default_{kind}"], b[f"tuned_{kind}"]
         if d["output_tok_s"] and t["output_tok_s"]:
-            print(f"{kind}: tuned / default output tok/s {t['output_tok_s'] / d['output_tok_s']:.3f}")
+            print(f"{kind}: tuned / default output tok/s {t['output_tok_s'] / d['output_tok_s']:.3f}"
+                  f" (runs: default {d.get('runs_output_tok_s')}, tuned {t.get('runs_output_tok_s')})")
     fid = s.get("replay_fidelity") or {}
     print("tuned.toml check rc", s.get("tuned_check_rc"), "; replay: KS", fid.get("ks"), "(1% critical",
           fid.get("ks_critical_1pct"), "), mean |gap diff|", fid.get("mean_abs_gap_diff_s"), "s")

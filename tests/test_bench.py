@@ -458,3 +458,34 @@ def test_non_streaming_requests_take_usage_from_the_body():
     assert all(r["finish"] == "length" and r["ttft"] == r["e2e"] > 0 for r in results)
     assert stats.summarize(results, duration)["total_output_tokens"] == sum(
         r.max_tokens for r in reqs)
+
+
+def test_tuned_batch_sizes_keep_headroom_above_a_light_trace(tmp_path):
+    # a trace recorded at a light load: at most 3 requests decoding at once
+    trace = tmp_path / "trace.jsonl"
+    lines = []
+    for i in range(60):
+        lines.append({"arrival": i * 1.0, "endpoint": "completions", "prompt_tokens": 40,
+                      "ttft_s": 0.1, "e2e_s": 2.5 + (i % 3) * 0.2})
+        lines.append({"arrival": i * 1.0 + 0.5, "endpoint": "embeddings",
+                      "input_lengths": [12, 14]})
+    trace.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    limits = tuner.TuneLimits(max_running=256)
+    traffic = tuner.read_traffic(str(trace), limits.max_running)
+    assert max(traffic.decode_sizes) == 3
+    tuned = tuner.tune(traffic, limits, delay_s=0.005, preferred=32, max_batch_tokens=8192)
+    # the trace's own sizes, then a doubling ladder to the limit: no size up to
+    # max_running pads by more than half
+    assert tuned.decode.shapes[-1] == 256 and {1, 2, 3} <= set(tuned.decode.shapes)
+    above = [s for s in tuned.decode.shapes if s > 3]
+    assert above[0] == 6 and all(b <= 2 * a for a, b in zip(above, above[1:], strict=False))
+    assert tuned.embedding_batch.shapes[-1] == 32
+    assert tuned.decode.per_shape[-1]["min"] is None  # headroom: no traffic in the trace
+    # --no-headroom: the trace only
+    bare = tuner.tune(traffic, tuner.TuneLimits(max_running=256, headroom=False), delay_s=0.005,
+                      preferred=32, max_batch_tokens=8192)
+    assert bare.decode.shapes[-1] == 3
+    assert tuner.headroom_ladder(3, 256) == [6, 12, 24, 48, 96, 192, 256]
+    assert tuner.headroom_ladder(256, 256) == [] and tuner.headroom_ladder(200, 256) == [256]
+    text = tuner.render_toml(tuned, load_buckets(), str(trace), limits)
+    assert "headroom up to the limit" in text

@@ -12,6 +12,7 @@ from bucketserve.engine.embedding_cost import CostTable
 from bucketserve.engine.embedding_queue import (
     COST_MARGIN,
     GUARD_DECAY,
+    WAIT_MIN_BUSY,
     WAKE_SLACK_S,
     BucketQueue,
     finish_by,
@@ -222,6 +223,43 @@ def test_a_bucket_waits_only_where_a_fuller_batch_is_cheaper_per_input():
     # nothing measured yet: the table cannot tell, so the bucket waits as before
     q = make(latency_slo_s=0.500)
     assert q.waiting_pays(16, 1)
+
+
+def run_full_batches(q: BucketQueue, first_end: float, n: int, seconds: float) -> float:
+    """n full batches of bucket 4, back to back, `seconds` each; returns the last end."""
+    end = first_end
+    for i in range(n):
+        q.add(Req(), [ids(100 + 4 * i + k, 3) for k in range(4)], 0, now=end - seconds)
+        batch = q.pop_batch(end - seconds)  # full: ready at once
+        assert batch is not None and batch.size == 4
+        q.batch_done(batch, 4, seconds, end=end)
+        end += seconds
+    return end - seconds
+
+
+def test_an_idle_worker_waits_for_nothing_a_busy_one_waits_for_fuller_batches():
+    # batching pays here (sublinear), so only the worker's busy share decides
+    idle = make(latency_slo_s=0.100, cost=FixedCost(sublinear))
+    assert idle.busy_share(0.0) is None  # nothing ran yet
+    last = run_full_batches(idle, 1.0, 1, 0.010)
+    assert idle.busy_share(last) == pytest.approx(1.0)
+    assert idle.busy_share(2.0) < 0.01  # one 10 ms batch in the last second
+    idle.add(Req(), [ids(1, 3)], 0, now=2.0)
+    assert idle.start_times(2.0) == {4: -math.inf}
+    assert firsts(idle.pop_batch(2.0)) == [1]  # at once, as a fixed delay of 0 would
+    assert idle.start_times() == {}  # (nothing queued)
+
+    busy = make(latency_slo_s=0.100, cost=FixedCost(sublinear))
+    last = run_full_batches(busy, 1.0, 40, 0.010)
+    assert busy.busy_share(last) > 0.99 and busy.busy_share(last) >= WAIT_MIN_BUSY
+    busy.add(Req(), [ids(1, 3)], 0, now=last)
+    assert busy.pop_batch(last) is None  # waits for company within its deadline
+    wake = busy.next_wake(last)
+    assert last < wake < finish_by(last, 0.100)
+    assert busy.pop_batch(last + 0.03) is None  # still waiting: the worker was busy till now
+    # the share decays while the worker idles
+    assert busy.busy_share(last + 0.03) > busy.busy_share(last + 0.3)
+    assert busy.busy_share(last + 0.3) < WAIT_MIN_BUSY
 
 
 def test_a_growing_batch_moves_its_start_earlier_and_a_full_one_runs_at_once():

@@ -99,6 +99,10 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--max-running", type=int, default=256, help="[scheduler] max_running")
     t.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="the device the file is for (its \"auto\" embedding batch settings)")
+    t.add_argument("--no-headroom", dest="headroom", action="store_false",
+                   help="fit the trace only: no doubling ladder of decode and embedding batch "
+                        "sizes above the trace's largest (a heavier load than the trace's then "
+                        "runs its larger batches eagerly)")
     t.add_argument("--base", metavar="FILE", default=None,
                    help="buckets TOML whose other keys the output keeps (default: shipped)")
     t.add_argument("--out", metavar="FILE", default=None, help="write the TOML here (default: stdout)")
@@ -241,7 +245,7 @@ def run_tune(args: argparse.Namespace) -> int:
                         graph_mib=args.graph_mib, waste_per_gib=args.waste_per_gib,
                         align=args.align, max_model_len=args.max_model_len,
                         embedding_max_len=args.embedding_max_len, max_running=args.max_running,
-                        device=args.device)
+                        device=args.device, headroom=args.headroom)
     try:
         text = tune_file(args.trace, limits, base=args.base)
     except WorkloadError as exc:

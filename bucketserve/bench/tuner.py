@@ -16,6 +16,18 @@ with prefix sums making each cost O(1) and numpy doing the min over i for all j 
 How many shapes each table gets: each costs `graph_mib` of memory, worth `waste_per_gib`
 padding per GiB; the counts minimising total padding fraction + memory cost are chosen under
 `max_graphs` per table and `memory_gib` for all (an exact small knapsack over the tables).
+
+Headroom (on unless `headroom=False`, `--no-headroom`): a table's fitted shapes end at the
+largest size in the trace, and on a GPU a size above the last shape runs eagerly, many times
+slower than a captured one. A trace recorded at a light load (decode batches of 1-3) would
+so leave a server tuned to it with no graphs for the batches of a heavier one: the shipped
+default's closed-loop throughput fell to 0.27x on the H200 (bench/issue15_h200.sh). So each
+table also keeps a doubling ladder from twice its largest fitted shape up to its limit
+(decode: max_running; embedding batches: the batcher's preferred batch size), counted in the
+graph budget like the others and commented as headroom: padding above the trace stays under
+50%, not an eager cliff. Prompt lengths get none (one longer than the last boundary runs at
+its own length, and prefill is bound by arithmetic); the last embedding length boundary is
+always the encoder's limit (longer inputs would have no bucket).
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ class TuneLimits:
     embedding_max_len: int = 256
     max_running: int = 256
     device: str = "cpu"  # resolves the base file's "auto" embedding batch settings
+    headroom: bool = True  # a doubling ladder of shapes above the trace, to each limit
 
 
 @dataclass
@@ -139,6 +152,19 @@ def describe(values, weights, shapes: list[int]) -> Shapes:
                     "max": int(v[sel].max()) if ws else None})
     waste = pad_all / (real_all + pad_all) if real_all + pad_all else 0.0
     return Shapes(s, waste, per)
+
+
+def headroom_ladder(top: int, limit: int) -> list[int]:
+    """Shapes above `top` up to `limit`: doubling from 2 x top, the last one `limit` itself
+    (none when top >= limit)."""
+    out: list[int] = []
+    size = 2 * max(1, top)
+    while size < limit:
+        out.append(size)
+        size *= 2
+    if top < limit:
+        out.append(limit)
+    return out
 
 
 # ------------------------------------------------------------------------------ the traffic
@@ -269,30 +295,42 @@ def tune(traffic: Traffic, limits: TuneLimits, delay_s: float = 0.005, preferred
     cap = limits.max_graphs
     per_shape_cost = limits.waste_per_gib * limits.graph_mib / 1024.0
     total = max(1, int(limits.memory_gib * 1024.0 // limits.graph_mib))
-    tables: list[tuple[str, list, list | None, int, int]] = []  # name, values, weights, align, forced
+    # name, values, weights, align, forced shapes above the trace (its limit; headroom)
+    tables: list[tuple[str, list, list | None, int, list[int]]] = []
+
+    def above(values: list[int], align: int, limit: int) -> list[int]:
+        top = int(-(-max(values) // align) * align)
+        if limits.headroom:
+            return headroom_ladder(top, limit)
+        return [limit] if top < limit else []
+
     if traffic.prompt_lens:
         plens = [min(n, limits.max_model_len) for n in traffic.prompt_lens]
-        tables.append(("prefill", plens, None, limits.align, 0))
+        # no headroom: a prompt longer than the last boundary is computed at its own length
+        # (BucketSpec.padded_len), and a prefill is bound by arithmetic, not launches
+        tables.append(("prefill", plens, None, limits.align, []))
     if traffic.decode_sizes:
-        tables.append(("decode", traffic.decode_sizes, traffic.decode_weights, 1, 0))
+        tables.append(("decode", traffic.decode_sizes, traffic.decode_weights, 1,
+                       above(traffic.decode_sizes, 1, limits.max_running)
+                       if limits.headroom else []))
     if traffic.embed_lens:
         elens = [min(n, limits.embedding_max_len) for n in traffic.embed_lens]
-        forced = int(-(-max(elens) // limits.align) * limits.align < limits.embedding_max_len)
-        tables.append(("embedding", elens, None, limits.align, forced))
-    curves = [_curve(v, w, a, max(1, cap - f)) for _, v, w, a, f in tables]
-    picks = allocate(curves, [f for *_, f in tables], total, per_shape_cost)
+        top = int(-(-max(elens) // limits.align) * limits.align)
+        # the last length boundary is always the limit (longer inputs have no bucket)
+        tables.append(("embedding", elens, None, limits.align,
+                       [limits.embedding_max_len] if top < limits.embedding_max_len else []))
+    curves = [_curve(v, w, a, max(1, cap - len(f))) for _, v, w, a, f in tables]
+    picks = allocate(curves, [len(f) for *_, f in tables], total, per_shape_cost)
     got: dict[str, Shapes] = {}
     for (name, values, weights, _, forced), curve, idx in zip(tables, curves, picks, strict=True):
-        shapes = list(curve[idx][0])
-        if forced:
-            shapes.append(limits.embedding_max_len)
-        got[name] = describe(values, weights, shapes)
+        got[name] = describe(values, weights, list(curve[idx][0]) + forced)
     emb_batch = None
     if "embedding" in got:
         sizes = embedding_batches(traffic.embed_events, got["embedding"].shapes, delay_s,
                                   preferred, max_batch_tokens)
-        shapes, _ = optimal_shapes(sizes, None, cap, 1)
-        emb_batch = describe(sizes, None, shapes)
+        forced = above(sizes, 1, preferred) if limits.headroom else []
+        shapes, _ = optimal_shapes(sizes, None, max(1, cap - len(forced)), 1)
+        emb_batch = describe(sizes, None, shapes + forced)
     return Tuned(got.get("prefill"), got.get("decode"), got.get("embedding"), emb_batch)
 
 
@@ -312,7 +350,7 @@ def _comments(shapes: Shapes, unit: str, what: str) -> list[str]:
              f"per {what}: share of traffic, padding, observed range"]
     for p in shapes.per_shape:
         if p["min"] is None:
-            lines.append(f"#   {p['shape']:>6}: no traffic in the trace (kept as the upper limit)")
+            lines.append(f"#   {p['shape']:>6}: no traffic in the trace (headroom up to the limit)")
         else:
             lines.append(f"#   {p['shape']:>6}: {100 * p['share']:5.1f}% of traffic, padding "
                          f"{100 * p['padding']:5.2f}%, sizes {p['min']}..{p['max']}")

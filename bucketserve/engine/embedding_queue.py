@@ -53,6 +53,15 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
    cost grows, its start moves earlier, and a full bucket runs at once. Merging (point 4) and
    graph sizes (point 5) then shape the batch as without deadlines. A deadline that cannot be
    met any more only makes its bucket ready; nothing is refused for it.
+   Nothing waits either while the worker is mostly idle: below WAIT_MIN_BUSY of its recent
+   time spent in batches (an exponentially decayed share over about BUSY_TAU_S, `busy_share`),
+   every bucket with deadlines is ready at once. An idle worker gains nothing from a fuller
+   batch (throughput is the offered rate either way) and the wait is pure latency; inputs
+   pile up by themselves while a batch runs, so batches grow with the load. Waiting pays only
+   near saturation, where a fuller batch's lower cost per input is what keeps up (on the
+   H200, where a batch costs about what one input does, the loop without this rule waited
+   to its 50 ms SLO at every rate and fell behind at 2,000 texts/s, while a fixed delay of 0
+   ran at p99 3-41 ms: bench/issue15_h200.sh).
 8. The feedback (`batch_done`, called with each batch's measured time): the batch's shape
    updates the cost table, and its earliest deadline against its end updates the guard: a
    batch that ended s seconds late raises the guard by s at once; one that ended on time
@@ -110,6 +119,10 @@ GUARD_DECAY = 0.05
 WAIT_GAIN = 1.25
 # Under overload (point 9), an input that waited this share of queue_timeout_s runs oldest-first.
 STARVE_SHARE = 0.5
+# Point 7: buckets wait for fuller batches only while the worker spent at least this share of
+# its recent time (decayed with time constant BUSY_TAU_S) running batches.
+WAIT_MIN_BUSY = 0.8
+BUSY_TAU_S = 0.5
 
 
 def finish_by(arrival: float, budget_s: float) -> float:
@@ -200,6 +213,10 @@ class BucketQueue:
         self.latency_slo_s = latency_slo_s  # 0: fixed delay, deadlines only from requests
         self.cost = cost if cost is not None else CostTable()
         self.guard_s = 0.0  # point 8
+        # point 7: decayed seconds spent in batches and seconds elapsed, at the last batch end
+        self._busy_s = 0.0
+        self._span_s = 0.0
+        self._last_end: float | None = None
         self._max_budget_s = latency_slo_s
         self._buckets = {b: _Bucket() for b in self.spec.boundaries}
         self._seq = 0
@@ -298,8 +315,21 @@ class BucketQueue:
         total = full * predict(length, self.padded_size(cap)) if full else 0.0
         return total + (predict(length, self.padded_size(rest)) if rest else 0.0)
 
-    def start_times(self) -> dict[int, float]:
-        """Point 7: the latest start of each bucket that holds inputs with deadlines."""
+    def busy_share(self, now: float | None = None) -> float | None:
+        """Point 7: the share of its recent time (decayed over BUSY_TAU_S) the worker spent
+        in batches, as of `now` (None: the last batch's end); None before any batch."""
+        if self._last_end is None:
+            return None
+        busy, span = self._busy_s, self._span_s
+        if now is not None and now > self._last_end:
+            gap = now - self._last_end
+            keep = math.exp(-gap / BUSY_TAU_S)
+            busy, span = busy * keep, span * keep + gap
+        return busy / span if span > 0 else 1.0
+
+    def start_times(self, now: float | None = None) -> dict[int, float]:
+        """Point 7: the latest start of each bucket that holds inputs with deadlines (with
+        `now`, -inf for every bucket while the worker is mostly idle)."""
         jobs = []
         scale = 1.0 + COST_MARGIN
         for length, bucket in self._buckets.items():
@@ -315,6 +345,9 @@ class BucketQueue:
         for deadline, length, cost in reversed(jobs):
             later = starts[length] = min(deadline, later) - cost
         early = self.cost.recent_max() + self.guard_s
+        share = self.busy_share(now) if now is not None else None
+        if share is not None and share < WAIT_MIN_BUSY:
+            return dict.fromkeys(starts, -math.inf)
         return {length: -math.inf if not self.waiting_pays(length, self._buckets[length].live)
                 else start - early for length, start in starts.items()}
 
@@ -332,6 +365,16 @@ class BucketQueue:
         """Point 8: `batch` ran as `rows` rows in `seconds`, ending at `end`. Returns how many
         of its inputs finished after their deadline."""
         self.cost.observe(batch.length, rows, seconds)
+        if self._last_end is None:
+            self._busy_s = self._span_s = seconds
+        else:
+            gap = max(0.0, end - self._last_end)
+            keep = math.exp(-gap / BUSY_TAU_S)
+            # time covered, not summed: an asynchronous runner's batches overlap (the next
+            # one is launched before this one is collected)
+            self._busy_s = self._busy_s * keep + min(seconds, gap)
+            self._span_s = self._span_s * keep + gap
+        self._last_end = end if self._last_end is None else max(end, self._last_end)
         deadlines = [item.deadline for item in batch.items if item.deadline < math.inf]
         if not deadlines:
             return 0
@@ -372,7 +415,7 @@ class BucketQueue:
         """When the earliest not-yet-ready bucket becomes ready (None: nothing queued); a
         value <= now means some bucket is ready. Adding inputs can move it earlier."""
         wake = None
-        starts = self.start_times()
+        starts = self.start_times(now)
         for length, bucket in self._buckets.items():
             oldest = self._oldest(bucket)
             if oldest is None:
@@ -385,7 +428,7 @@ class BucketQueue:
         """The next batch to run (docstring points 2-4, 7), removed from the queue; None when
         no bucket is ready."""
         best: tuple[tuple[int, float, float, float, int], int] | None = None
-        starts = self.start_times()
+        starts = self.start_times(now)
         overload = self.overloaded(now)
         starving = now - STARVE_SHARE * self.queue_timeout_s  # arrived before: oldest first
         for length, bucket in self._buckets.items():
