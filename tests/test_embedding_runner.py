@@ -95,3 +95,47 @@ def test_base64_rows_equal_per_row_encoding(dim):
     got = base64_rows(mat)
     assert got == [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in mat]
     assert np.array_equal(np.frombuffer(base64.b64decode(got[3]), dtype="<f4"), mat[3])
+
+
+def test_function_runner_trims_an_eager_batch_to_its_longest_row():
+    from bucketserve.engine.embedding_runner import FunctionRunner
+
+    seen: list[tuple[int, int]] = []
+
+    def encode(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(ids.shape))
+        # a masked mean of the ids: padding columns must not change a row's result
+        return ((ids * mask).sum(1) / mask.sum(1)).float()[:, None]
+
+    rows = [[5, 6, 7], [9], [1, 2, 3, 4, 5]]
+    plain, trimmed = FunctionRunner(encode), FunctionRunner(encode, trim=True)
+    a = plain.collect(plain.launch(rows, 16))
+    t = trimmed.launch(rows, 16)
+    b = trimmed.collect(t)
+    assert seen == [(3, 16), (3, 5)]  # the bucket length, then the longest row
+    assert t.length == 5 and t.rows == t.padded_rows == 3
+    np.testing.assert_array_equal(a, b)
+
+
+def test_trimmed_cpu_batches_match_sentence_transformers_and_count_what_they_compute():
+    from sentence_transformers import SentenceTransformer
+
+    from bucketserve.engine.embedding_batcher import BatcherStats
+    from bucketserve.engine.embedding_runner import FunctionRunner
+
+    loaded = load_embedding_model(str(minilm_dir()))
+    st = SentenceTransformer(str(minilm_dir()), device="cpu")
+    texts = ["a short one", "a rather longer sentence about buckets and padding on the CPU",
+             "mid length text here"]
+    rows = [loaded.tokenizer.encode(t) for t in texts]
+    runner = FunctionRunner(loaded.model, trim=True)
+    with torch.inference_mode():
+        t = runner.launch(rows, 64)
+        got = runner.collect(t)
+    ref = st.encode(texts, convert_to_numpy=True)
+    cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= MIN_COSINE
+    assert t.length == max(len(r) for r in rows) < 64
+    stats = BatcherStats()
+    stats.record_batch(64, [len(r) for r in rows], [0.0] * 3, computed_len=t.length)
+    assert stats.computed_tokens == 3 * t.length and stats.batches_per_bucket == {64: 1}

@@ -190,14 +190,18 @@ def test_packed_projections_equal_plain_ones(ours, mixed_texts):
     """The loader lets the projections use MKL's packed sgemm on CPU for forwards of at most
     PACKED_MAX_ROWS tokens; the plain F.linear path (packed weights removed) gives the same
     vectors, on both sides of that limit."""
-    from bucketserve.models.bert import PACKED_MAX_ROWS
-    from bucketserve.models.llama import Linear, mkl_packing_available
+    from bucketserve.models.bert import NO_ROW_LIMIT, PACKED_MAX_ROWS
+    from bucketserve.models.llama import Linear, packed_gemm_backend
 
     linears = [m for m in ours.model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * ours.config.num_layers
-    if not mkl_packing_available():
-        pytest.skip("this torch build has no MKL packed sgemm")
+    backend = packed_gemm_backend()
+    if backend is None:
+        pytest.skip("this torch build has no packed sgemm")
     assert all(m.packed is not None for m in linears)
+    # MKL's packed sgemm only up to PACKED_MAX_ROWS tokens; oneDNN's for every forward
+    limit = PACKED_MAX_ROWS if backend == "mkl" else NO_ROW_LIMIT
+    assert backend in ("mkl", "onednn") and all(m.max_packed_rows == limit for m in linears)
     for texts in (mixed_texts[-1:], mixed_texts[-4:]):  # 1 x 256 and 4 x 256 tokens
         token_ids = ours.tokenizer.encode_batch(texts)
         L = max(map(len, token_ids))

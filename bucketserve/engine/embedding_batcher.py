@@ -97,14 +97,16 @@ class BatcherStats:
         return 1.0 - self.useful_tokens / self.computed_tokens if self.computed_tokens else 0.0
 
     def record_batch(self, bucket_len: int, lengths: list[int], delays_s: list[float],
-                     merged: bool = False, padded_rows: int | None = None) -> None:
+                     merged: bool = False, padded_rows: int | None = None,
+                     computed_len: int | None = None) -> None:
         """padded_rows: rows computed (a compiled shape's padding rows included; default
-        len(lengths)): they count as computed, not useful, tokens."""
+        len(lengths)): they count as computed, not useful, tokens. computed_len: the length
+        the rows were computed at (a trimming runner's longest row; default bucket_len)."""
         self.merged_batches += merged
         self.batches_per_bucket[bucket_len] = self.batches_per_bucket.get(bucket_len, 0) + 1
         size = len(lengths)
         self.batch_size_counts[size] = self.batch_size_counts.get(size, 0) + 1
-        self.computed_tokens += (padded_rows or size) * bucket_len
+        self.computed_tokens += (padded_rows or size) * (computed_len or bucket_len)
         self.useful_tokens += sum(lengths)
         self.num_inputs += size
         for d in delays_s:  # slot: the first bucket with d <= its bound, else +Inf
@@ -403,7 +405,8 @@ class EmbeddingBatcher:
                 batch, running.ticket.padded_rows, end - running.start, end)
         self.stats.record_batch(batch.length, [item.length for item in batch.items],
                                 [running.start - item.arrival for item in batch.items],
-                                batch.merged, running.ticket.padded_rows)
+                                batch.merged, running.ticket.padded_rows,
+                                computed_len=running.ticket.length)
         resolved: list = []
         with self._cond:
             for r, item in enumerate(batch.items):
@@ -472,7 +475,7 @@ def build_batcher(model: torch.nn.Module, pad_token_id: int, buckets: BucketsCon
                                  pad_token_id, device)
         runner.capture()
     else:
-        runner = FunctionRunner(model, pad_token_id)
+        runner = FunctionRunner(model, pad_token_id, trim=True)  # eager: no bucket padding
     batcher = EmbeddingBatcher.from_config(
         runner, emb, queue_timeout_s=buckets.queue_timeout_s, max_waiting=buckets.max_waiting,
         policy=buckets.policy, pad_token_id=pad_token_id, device_type=device.type)

@@ -71,15 +71,23 @@ def fill_rows(buf: np.ndarray, rows: Sequence[Sequence[int]], pad_id: int) -> No
 
 
 class FunctionRunner:
-    """Runs `encode` synchronously in launch (CPU model, test fakes)."""
+    """Runs `encode` synchronously in launch (CPU model, test fakes).
+
+    `trim` (the served CPU path): a batch is computed at its longest row, not at its bucket
+    length. An eager forward has no compiled shape to fit, so the columns past the longest
+    row would be padding computed for nothing: the bucket still groups inputs of similar
+    length (and names the batch), and the ticket's `length` is what was computed."""
 
     asynchronous = False  # launch returns with the vectors ready
 
-    def __init__(self, encode: EncodeFn, pad_token_id: int = 0) -> None:
+    def __init__(self, encode: EncodeFn, pad_token_id: int = 0, trim: bool = False) -> None:
         self.encode = encode
         self.pad_token_id = pad_token_id
+        self.trim = trim
 
     def launch(self, rows: Sequence[Sequence[int]], length: int) -> Ticket:
+        if self.trim and rows:
+            length = max(len(r) for r in rows)
         buf = np.empty((len(rows), length + 1), dtype=np.int64)
         fill_rows(buf, rows, self.pad_token_id)
         t = torch.from_numpy(buf)

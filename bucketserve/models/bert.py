@@ -8,8 +8,9 @@ they never change a real token's result.
 
 Weight names follow Hugging Face's BertModel (with or without the "bert." prefix); query, key and
 value are fused into one [3H, H] projection at load time (bert_loader.py) for one GEMM per layer.
-On a float32 CPU model, `pack_cpu_weights()` lets the projections use MKL's packed sgemm (the
-Llama model's helpers) for forwards of at most PACKED_MAX_ROWS tokens, where it is faster.
+On a float32 CPU model, `pack_cpu_weights()` lets the projections use the packed GEMM the Llama
+model's helpers chose for this CPU (oneDNN or MKL, measured at the first pack): oneDNN's for
+every forward, MKL's for forwards of at most PACKED_MAX_ROWS tokens, where it is faster.
 """
 
 from __future__ import annotations
@@ -22,13 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bucketserve.models import llama
 from bucketserve.models.llama import Linear, pack_linear_weights
 
 # Largest B * L for which the projections use MKL's packed sgemm. Measured on the 2-core dev
 # machine (whole forward, fastest of 12-16 interleaved runs, packed vs F.linear): 1x16 1.37x,
 # 1x208 1.08x, 1x256 1.16x, 2x144 1.09x faster; from ~350 rows on no faster (2x192 0.90x,
 # 3x144 0.99x, 4x128 0.95x) and slower at offline batch sizes (32x128 0.87x, 32x256 0.94x).
+# oneDNN's packed GEMM has no such limit: on the AMD EPYC (AVX-512) kind, where "auto" picks
+# it, the whole MiniLM forward ran 1.0-1.05x faster than F.linear at 1-2 x 136 tokens and
+# 1.6-2.0x at 3 x 136 .. 32 x 256 (2026-12-02), sizes this limit had sent to F.linear.
 PACKED_MAX_ROWS = 320
+NO_ROW_LIMIT = 1 << 62
 
 # Pooling modes in the order sentence-transformers concatenates them when several are set.
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")
@@ -109,11 +115,14 @@ class BertEmbeddings(nn.Module):
 
 class _Linear(Linear):
     """Llama's Linear (uninitialised parameters, the loader assigns them; optional packed
-    weight), using the packed weight only for inputs of at most PACKED_MAX_ROWS rows."""
+    weight), using the packed weight only for inputs of at most `max_packed_rows` rows
+    (PACKED_MAX_ROWS with MKL's packed sgemm, no limit with oneDNN's: pack_cpu_weights)."""
+
+    max_packed_rows = PACKED_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [T, in] -> [T, out]
-        if x.shape[0] > PACKED_MAX_ROWS:
+        if x.shape[0] > self.max_packed_rows:
             return F.linear(x, self.weight, self.bias)
         return super().forward(x)
 
@@ -233,11 +242,18 @@ class BertEmbeddingModel(nn.Module):
         return self.config.hidden_size * len(self.pooling)
 
     def pack_cpu_weights(self) -> bool:
-        """Lets every projection of a float32 CPU model use MKL's packed sgemm for forwards of
-        at most PACKED_MAX_ROWS tokens (the original weights stay, for larger forwards and for
+        """Lets every projection of a float32 CPU model use the packed GEMM (llama.py's
+        backend choice): oneDNN's for every forward, MKL's for forwards of at most
+        PACKED_MAX_ROWS tokens (the original weights stay, for larger forwards and for
         autograd). Returns False, changing nothing, where packing does not apply. Call again
         after changing the weights."""
-        return pack_linear_weights(self, self.encoder.embeddings.word_embeddings.weight)
+        if not pack_linear_weights(self, self.encoder.embeddings.word_embeddings.weight):
+            return False
+        limit = PACKED_MAX_ROWS if llama.packed_gemm_backend() == "mkl" else NO_ROW_LIMIT
+        for sub in self.modules():
+            if isinstance(sub, _Linear):
+                sub.max_packed_rows = limit
+        return True
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

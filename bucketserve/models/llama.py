@@ -151,6 +151,11 @@ def _resolve_gemm(module: nn.Module) -> None:
              ", ".join(f"{b} {t:.1f} ms" for b, t in times.items()))
 
 
+def packed_gemm_backend() -> str | None:
+    """The packed GEMM in use: "onednn", "mkl", "auto" (not measured yet) or None."""
+    return _GEMM
+
+
 def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
     """The packed layout of a float32 [out, in] weight for the CPU GEMM backend in use
     (cpu_gemm_backend). Packed sgemm is 2-4x faster than F.linear at the small row counts of
