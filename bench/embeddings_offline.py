@@ -2,8 +2,9 @@
 
 Same run, same corpus, same machine state: a deterministic mixed-length corpus (default 2,000
 texts of 8..256 word pieces, uniform, random in-vocabulary words from a seeded RNG) goes
-(a) through bucketserve: tokenize -> EmbeddingBatcher (length buckets, one [B, L_bucket] shape
-    per batch) -> our BertEmbeddingModel, all texts submitted at once;
+(a) through bucketserve: tokenize -> EmbeddingBatcher (length buckets; each batch computed at
+    its longest row, as the served CPU path does) -> our BertEmbeddingModel, all texts
+    submitted at once;
 (b) through SentenceTransformer(dir).encode(texts, batch_size=32) (which sorts by length).
 The two alternate for --repeats rounds; the best round of each is compared (the CPU is shared,
 so the best round is the least disturbed one). Prints texts/s, the ratio, padding waste of
@@ -35,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bucketserve.buckets import load_buckets  # noqa: E402
 from bucketserve.engine.embedding_batcher import EmbeddingBatcher  # noqa: E402
+from bucketserve.engine.embedding_runner import FunctionRunner  # noqa: E402
 from bucketserve.models.bert_loader import (  # noqa: E402
     EmbeddingTokenizer,
     LoadedEmbeddingModel,
@@ -72,8 +74,11 @@ def sorted_batch_waste(lengths: list[int], batch_size: int) -> float:
 def run_ours(loaded: LoadedEmbeddingModel, texts: list[str], batcher_kw: dict
              ) -> tuple[float, torch.Tensor, EmbeddingBatcher]:
     async def go() -> tuple[list, EmbeddingBatcher]:
-        batcher = EmbeddingBatcher(loaded.model, pad_token_id=loaded.config.pad_token_id,
-                                   **batcher_kw)
+        # the served CPU path's runner (embedding_batcher.build_batcher): a batch is computed
+        # at its longest row
+        pad = loaded.config.pad_token_id
+        batcher = EmbeddingBatcher(FunctionRunner(loaded.model, pad, trim=True),
+                                   pad_token_id=pad, **batcher_kw)
         batcher.start()
         try:
             ids = loaded.tokenizer.encode_batch(texts)
