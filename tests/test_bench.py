@@ -488,4 +488,4 @@ def test_tuned_batch_sizes_keep_headroom_above_a_light_trace(tmp_path):
     assert tuner.headroom_ladder(3, 256) == [6, 12, 24, 48, 96, 192, 256]
     assert tuner.headroom_ladder(256, 256) == [] and tuner.headroom_ladder(200, 256) == [256]
     text = tuner.render_toml(tuned, load_buckets(), str(trace), limits)
-    assert "headroom up to the limit" in text
+    assert "no traffic in the trace (kept: headroom or the upper limit)" in text

@@ -20,8 +20,9 @@ padding per GiB; the counts minimising total padding fraction + memory cost are 
 Headroom (on unless `headroom=False`, `--no-headroom`): a table's fitted shapes end at the
 largest size in the trace, and on a GPU a size above the last shape runs eagerly, many times
 slower than a captured one. A trace recorded at a light load (decode batches of 1-3) would
-so leave a server tuned to it with no graphs for the batches of a heavier one: the shipped
-default's closed-loop throughput fell to 0.27x on the H200 (bench/issue15_h200.sh). So each
+so leave a server tuned to it with no graphs for the batches of a heavier one: such a tuned
+file ran a closed loop at 0.27x the shipped default's throughput on the H200
+(bench/issue15_h200.sh). So each
 table also keeps a doubling ladder from twice its largest fitted shape up to its limit
 (decode: max_running; embedding batches: the batcher's preferred batch size), counted in the
 graph budget like the others and commented as headroom: padding above the trace stays under
@@ -298,11 +299,6 @@ def tune(traffic: Traffic, limits: TuneLimits, delay_s: float = 0.005, preferred
     # name, values, weights, align, forced shapes above the trace (its limit; headroom)
     tables: list[tuple[str, list, list | None, int, list[int]]] = []
 
-    def above(values: list[int], align: int, limit: int) -> list[int]:
-        top = int(-(-max(values) // align) * align)
-        if limits.headroom:
-            return headroom_ladder(top, limit)
-        return [limit] if top < limit else []
 
     if traffic.prompt_lens:
         plens = [min(n, limits.max_model_len) for n in traffic.prompt_lens]
@@ -311,7 +307,7 @@ def tune(traffic: Traffic, limits: TuneLimits, delay_s: float = 0.005, preferred
         tables.append(("prefill", plens, None, limits.align, []))
     if traffic.decode_sizes:
         tables.append(("decode", traffic.decode_sizes, traffic.decode_weights, 1,
-                       above(traffic.decode_sizes, 1, limits.max_running)
+                       headroom_ladder(max(traffic.decode_sizes), limits.max_running)
                        if limits.headroom else []))
     if traffic.embed_lens:
         elens = [min(n, limits.embedding_max_len) for n in traffic.embed_lens]
@@ -328,7 +324,7 @@ def tune(traffic: Traffic, limits: TuneLimits, delay_s: float = 0.005, preferred
     if "embedding" in got:
         sizes = embedding_batches(traffic.embed_events, got["embedding"].shapes, delay_s,
                                   preferred, max_batch_tokens)
-        forced = above(sizes, 1, preferred) if limits.headroom else []
+        forced = headroom_ladder(max(sizes), preferred) if limits.headroom else []
         shapes, _ = optimal_shapes(sizes, None, max(1, cap - len(forced)), 1)
         emb_batch = describe(sizes, None, shapes + forced)
     return Tuned(got.get("prefill"), got.get("decode"), got.get("embedding"), emb_batch)
@@ -350,7 +346,8 @@ def _comments(shapes: Shapes, unit: str, what: str) -> list[str]:
              f"per {what}: share of traffic, padding, observed range"]
     for p in shapes.per_shape:
         if p["min"] is None:
-            lines.append(f"#   {p['shape']:>6}: no traffic in the trace (headroom up to the limit)")
+            lines.append(f"#   {p['shape']:>6}: no traffic in the trace (kept: headroom or the "
+                         "upper limit)")
         else:
             lines.append(f"#   {p['shape']:>6}: {100 * p['share']:5.1f}% of traffic, padding "
                          f"{100 * p['padding']:5.2f}%, sizes {p['min']}..{p['max']}")
