@@ -4,10 +4,11 @@
 # Poisson sweep, the feedback loop against fixed delays: p99 vs the SLO and throughput per rate;
 # bench/embedding_slo_sweep.py). Sized to about 6 minutes on an H200 with the defaults below.
 #
-#   cd .dev_fb2 && OUT=DIR TOK=../.gpuassets/smollm2-tok EMB_DIR=_minilm bash bench/issue15_h200.sh
+#   OUT=DIR TOK=.gpuassets/smollm2-tok EMB_DIR=.gpuassets/minilm bash bench/issue15_h200.sh
 #
-# Run from a copy of the repository with fastapi / uvicorn / ... on PYTHONPATH (the lead's /tmp/site);
-# the script puts the repository first on PYTHONPATH.
+# Run from the repository root with fastapi / uvicorn / ... on PYTHONPATH (carried wheels
+# installed with `pip install --no-index --no-deps --target /tmp/site`: README, "Deadline-driven
+# batching vs fixed delays"); the script puts the repository first on PYTHONPATH.
 # TOK: SmolLM2's config.json / tokenizer.json / tokenizer_config.json: the served generative model
 #   is the SmolLM2-135M shape with random weights (made here; no weights travel).
 # EMB_DIR: an all-MiniLM-L6-v2 sentence-transformers directory. Without model.safetensors in it
