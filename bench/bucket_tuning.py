@@ -116,7 +116,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8, help="closed-loop runs")
     ap.add_argument("--closed-runs", type=int, default=1,
                     help="closed-loop runs per configuration; the median (by output tok/s) is "
-                         "reported, every run kept in <name>_runs")
+                         "reported with every run's tok/s, each run's JSON kept (<name>.json, "
+                         "<name>_2.json, ...)")
     ap.add_argument("--output-len", default="16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true",

@@ -320,34 +320,35 @@ class BucketQueue:
         in batches, as of `now` (None: the last batch's end); None before any batch."""
         if self._last_end is None:
             return None
-        busy, span = self._busy_s, self._span_s
-        if now is not None and now > self._last_end:
-            gap = now - self._last_end
-            keep = math.exp(-gap / BUSY_TAU_S)
-            busy, span = busy * keep, span * keep + gap
+        busy, span = self._decayed(now if now is not None else self._last_end)
         return busy / span if span > 0 else 1.0
+
+    def _decayed(self, t: float) -> tuple[float, float]:
+        """(busy, span) carried from the last batch's end to time t (no batch between)."""
+        gap = max(0.0, t - self._last_end)
+        keep = math.exp(-gap / BUSY_TAU_S)
+        return self._busy_s * keep, self._span_s * keep + gap
 
     def start_times(self, now: float | None = None) -> dict[int, float]:
         """Point 7: the latest start of each bucket that holds inputs with deadlines (with
         `now`, -inf for every bucket while the worker is mostly idle)."""
-        jobs = []
-        scale = 1.0 + COST_MARGIN
+        with_deadlines = []  # (earliest deadline, length, live inputs)
         for length, bucket in self._buckets.items():
-            if not bucket.live:
-                continue
-            deadline = bucket.earliest_deadline()
-            if deadline < math.inf:
-                cost = self.batch_cost(length, bucket.live) * scale + WAKE_SLACK_S
-                jobs.append((deadline, length, cost))
-        jobs.sort()
+            if bucket.live:
+                deadline = bucket.earliest_deadline()
+                if deadline < math.inf:
+                    with_deadlines.append((deadline, length, bucket.live))
+        share = self.busy_share(now) if now is not None else None
+        if share is not None and share < WAIT_MIN_BUSY:  # idle worker: no plan needed
+            return {length: -math.inf for _, length, _ in with_deadlines}
+        scale = 1.0 + COST_MARGIN
+        jobs = sorted((deadline, length, self.batch_cost(length, live) * scale + WAKE_SLACK_S)
+                      for deadline, length, live in with_deadlines)
         starts: dict[int, float] = {}
         later = math.inf  # the start of the next job in deadline order
         for deadline, length, cost in reversed(jobs):
             later = starts[length] = min(deadline, later) - cost
         early = self.cost.recent_max() + self.guard_s
-        share = self.busy_share(now) if now is not None else None
-        if share is not None and share < WAIT_MIN_BUSY:
-            return dict.fromkeys(starts, -math.inf)
         return {length: -math.inf if not self.waiting_pays(length, self._buckets[length].live)
                 else start - early for length, start in starts.items()}
 
@@ -367,14 +368,13 @@ class BucketQueue:
         self.cost.observe(batch.length, rows, seconds)
         if self._last_end is None:
             self._busy_s = self._span_s = seconds
+            self._last_end = end
         else:
-            gap = max(0.0, end - self._last_end)
-            keep = math.exp(-gap / BUSY_TAU_S)
+            busy, self._span_s = self._decayed(end)
             # time covered, not summed: an asynchronous runner's batches overlap (the next
             # one is launched before this one is collected)
-            self._busy_s = self._busy_s * keep + min(seconds, gap)
-            self._span_s = self._span_s * keep + gap
-        self._last_end = end if self._last_end is None else max(end, self._last_end)
+            self._busy_s = busy + min(seconds, max(0.0, end - self._last_end))
+            self._last_end = max(end, self._last_end)
         deadlines = [item.deadline for item in batch.items if item.deadline < math.inf]
         if not deadlines:
             return 0
