@@ -5,6 +5,7 @@ max_queue_delay_ms settings, p99 latency vs the SLO and throughput per rate (iss
     PYTHONPATH=. python bench/embedding_slo_sweep.py --device cpu \
         --out bench/results/embedding_slo_sweep_cpu.json [--rates 10,15,20,30,100,2000]
         [--slo-ms 500] [--fixed-ms 0,5,50,200] [--duration-s 10] [--max-requests 2000]
+        [--rounds 3] [--warmup 60]
         [--serve-args "--model DIR --embedding-model DIR"]  (bench/issue15_h200.sh on a GPU)
 
 One `bucketserve serve` per setting (its TOML differs only in [embedding] latency_slo_ms or
@@ -15,10 +16,13 @@ setting gets the same requests at the same Poisson arrival times: rate x --durat
 requests (at least --min-requests, at most --max-requests; above the server's capacity the
 run lasts until the backlog drains or max_waiting refuses the excess with 503).
 
-On the CPU all servers are up together and, at each rate, the settings run one after another
-in an order that rotates with the rate, so the load other processes put on the machine falls
-on all of them alike. On CUDA (one GPU: each server profiles the memory left to it) the
-settings run one at a time, each over all rates.
+Every server first answers --warmup requests (not recorded). On the CPU all servers are up
+together and, at each rate, the settings run one after another in an order that rotates with
+the rate and the round, so the load other processes put on the machine falls on all of them
+alike. On CUDA (one GPU: each server profiles the memory left to it) the settings run one at a
+time, each over all rates. --rounds N runs every (setting, rate) N times; the verdict and the
+plot use the medians (on the 2-core CPU one setting's throughput varied by up to 30% between
+rounds of the same requests).
 
 Per run: p50 / p99 of the end-to-end latency (client send to the whole response) over the
 completed requests, p99 over all requests with failures counted as infinitely late, the
@@ -41,6 +45,7 @@ import re
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -181,7 +186,7 @@ def one_run(server: Server, rate: float, reqs: list, a, slo_s: float) -> dict:
         key = str(r["status"] or r["error"])[:60]
         errors[key] = errors.get(key, 0) + 1
     return {
-        "setting": server.setting, "rate": rate, "requests": len(results),
+        "setting": server.setting, "rate": rate, "requests": len(results), "slo_ms": slo_s * 1000,
         "completed": len(ok), "errors": errors,
         "duration_s": duration,
         "throughput_inputs_s": len(ok) / duration if duration else 0.0,
@@ -225,9 +230,44 @@ def machine(device: str) -> dict:
     return info
 
 
+def medians(runs: list[dict]) -> list[dict]:
+    """One record per (setting, rate): with --rounds > 1 the median of each figure over the
+    rounds (the SLO counts as met when the median p99 over all requests is within it)."""
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["setting"], r["rate"]), []).append(r)
+    out = []
+    for (setting, rate), rs in groups.items():
+        if len(rs) == 1:
+            out.append(rs[0])
+            continue
+
+        def med(key: str, rs: list[dict] = rs) -> float:
+            vals = [math.inf if r[key] == "inf" else r[key] for r in rs if r[key] is not None]
+            m = statistics.median(vals)
+            return "inf" if math.isinf(m) else m
+
+        rec = {"setting": setting, "rate": rate, "rounds": len(rs),
+               "requests": rs[0]["requests"]}
+        for key in ("throughput_inputs_s", "goodput_inputs_s", "p50_ms", "p99_ms",
+                    "p99_all_ms", "within_slo"):
+            rec[key] = med(key)
+        rec["throughput_rounds"] = [r["throughput_inputs_s"] for r in rs]
+        rec["slo_met_rounds"] = [r["slo_met"] for r in rs]
+        rec["slo_met"] = rec["p99_all_ms"] != "inf" and rec["p99_all_ms"] <= rs[0]["slo_ms"]
+        rec["server"] = {k: statistics.median(r["server"][k] for r in rs
+                                              if r["server"][k] is not None)
+                         if any(r["server"][k] is not None for r in rs) else None
+                         for k in rs[0]["server"]}
+        out.append(rec)
+    return out
+
+
 def verdict(runs: list[dict], rates: list[float], tol: float) -> list[dict]:
     """Per rate: does the feedback setting meet the SLO wherever a fixed one does, and is its
-    throughput at least the best fixed one's (within `tol`, the run-to-run noise)?"""
+    throughput at least the best fixed one's (within `tol`, the run-to-run noise)? With
+    several rounds, on the medians over rounds (`medians`)."""
+    runs = medians(runs)
     out = []
     for rate in rates:
         at = [r for r in runs if r["rate"] == rate]
@@ -251,16 +291,21 @@ def verdict(runs: list[dict], rates: list[float], tol: float) -> list[dict]:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the JSON is written already; the figure can be made from it later
+        print(f"matplotlib is not installed: no {path} (rerun with --merge JSON to draw it)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rates = result["rates"]
     slo = result["slo_ms"]
+    runs = medians(result["runs"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for setting in result["settings"]:
-        rs = sorted((r for r in result["runs"] if r["setting"] == setting),
+        rs = sorted((r for r in runs if r["setting"] == setting),
                     key=lambda r: r["rate"])
         label = (f"feedback (SLO {slo:g} ms)" if setting == "feedback"
                  else f"fixed delay {setting.split('=')[1]} ms")
@@ -299,6 +344,12 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=1, help="client processes")
     ap.add_argument("--request-timeout-s", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=60,
+                    help="requests each server answers before the timed runs (at the highest "
+                         "rate, not recorded): every setting starts warm (0: none)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every (setting, rate) this many times; the verdict and the plot "
+                         "use the medians (the CPU's speed drifts between runs by 10-20%%)")
     ap.add_argument("--serve-args", default="",
                     help="more `bucketserve serve` arguments, e.g. '--model DIR --embedding-model "
                          "DIR' (a later --embedding-model replaces all-minilm-l6-v2)")
@@ -340,10 +391,15 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="slo_sweep_")  # the servers' TOMLs and logs
     result = {"machine": machine(a.device), "slo_ms": slo_ms, "rates": rates,
               "settings": settings, "lengths": LENGTHS, "duration_s": a.duration_s,
-              "seed": a.seed, "command": " ".join(sys.argv), "runs": []}
+              "seed": a.seed, "rounds": a.rounds, "warmup": a.warmup, "command": " ".join(sys.argv), "runs": []}
     reqs = {rate: requests_for(rate, a) for rate in rates}
     extra = shlex.split(a.serve_args)
     result["serve_args"] = extra
+
+    def warm(server: Server) -> None:
+        if a.warmup > 0:
+            top = max(rates)
+            one_run(server, top, requests_for(top, a)[:a.warmup], a, slo_ms / 1000)
 
     def record(run: dict) -> None:
         result["runs"].append(run)
@@ -360,10 +416,13 @@ def main() -> int:
         try:
             for s in servers:
                 s.wait_up()
-            for k, rate in enumerate(rates):
-                order = servers[k % len(servers):] + servers[:k % len(servers)]
-                for s in order:
-                    record(one_run(s, rate, reqs[rate], a, slo_ms / 1000))
+            for s in servers:
+                warm(s)
+            for rnd in range(a.rounds):
+                for k, rate in enumerate(rates):
+                    shift = (k + rnd) % len(servers)
+                    for s in servers[shift:] + servers[:shift]:
+                        record({**one_run(s, rate, reqs[rate], a, slo_ms / 1000), "round": rnd})
         finally:
             for s in servers:
                 s.stop()
@@ -372,8 +431,10 @@ def main() -> int:
             s = Server(setting, slo_ms, a.device, work, extra)
             try:
                 s.wait_up()
-                for rate in rates:
-                    record(one_run(s, rate, reqs[rate], a, slo_ms / 1000))
+                warm(s)
+                for rnd in range(a.rounds):
+                    for rate in rates:
+                        record({**one_run(s, rate, reqs[rate], a, slo_ms / 1000), "round": rnd})
             finally:
                 s.stop()
     if "feedback" in settings and len(settings) > 1:

@@ -17,14 +17,15 @@
 # DEV=cpu: the same flow with tiny settings on a CPU (a dry run of the script itself).
 # Knobs: PARTS ("tune sweep"), RATES, FIXED_MS, SLO_MS, DUR_S, MIN_REQ, MAX_REQ, CLIENTS (sweep
 #   client processes), TUNE_REQ / TUNE_RATE / TUNE_CONC (trace size, its Poisson rate, closed-loop
-#   concurrency), CLOSED_RUNS (closed-loop runs per configuration: the median is compared).
+#   concurrency), CLOSED_RUNS (closed-loop runs per configuration: the median is compared),
+#   ROUNDS (sweep rounds per (setting, rate): the verdict is on the medians).
 # Output: $OUT/issue15_summary.txt (also printed at the end), embedding_slo_sweep_$DEV.json/.png,
 #   bucket_tuning_summary.json, tuned.toml, padding_default.png / padding_tuned.png, and
 #   issue15_all.tgz (everything: logs, request logs, all plots). Work files in WORK (/tmp/issue15).
 set -u
 ROOT=$(pwd); DEV=${DEV:-cuda}; OUT=${OUT:-/tmp/issue15_out}; W=${WORK:-/tmp/issue15}
 mkdir -p "$OUT" "$W"; export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-PARTS=${PARTS:-tune sweep}
+PARTS=${PARTS:-tune sweep}; ROUNDS=${ROUNDS:-1}
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 if [ "$DEV" = cuda ]; then
   RATES=${RATES:-10,100,500,1000,2000}; FIXED_MS=${FIXED_MS:-0,2,5,20}; SLO_MS=${SLO_MS:-50}
@@ -84,7 +85,7 @@ if has sweep; then
   el "SLO sweep (rates $RATES, SLO $SLO_MS ms, fixed $FIXED_MS ms)"
   timeout -k 60 "$SWEEP_LIMIT" python3 "$ROOT/bench/embedding_slo_sweep.py" --device "$DEV" --rates "$RATES" \
     --slo-ms "$SLO_MS" --fixed-ms "$FIXED_MS" --duration-s "$DUR_S" --min-requests "$MIN_REQ" \
-    --max-requests "$MAX_REQ" --workers "$CLIENTS" --serve-args "$SERVE" --request-model "" \
+    --max-requests "$MAX_REQ" --workers "$CLIENTS" --serve-args "$SERVE" --request-model "" --rounds "$ROUNDS" \
     --out "$W/embedding_slo_sweep_$DEV.json" > "$W/slo_sweep.log" 2>&1 \
     || { echo "SLO sweep failed or timed out (partial JSON kept):"; tail -25 "$W/slo_sweep.log"; }
   grep -E "^ *(feedback|fixed=)" "$W/slo_sweep.log" | cut -c1-160

@@ -181,7 +181,7 @@ class FixedCost(CostTable):
         super().__init__()
         self.fn = fn
 
-    def predict(self, length: int, rows: int) -> float:
+    def predict(self, length: int, rows: int, inputs: int | None = None) -> float:
         return self.fn(length, rows)
 
 
@@ -252,11 +252,20 @@ def test_an_idle_worker_waits_for_nothing_a_busy_one_waits_for_fuller_batches():
     busy = make(latency_slo_s=0.100, cost=FixedCost(sublinear))
     last = run_full_batches(busy, 1.0, 40, 0.010)
     assert busy.busy_share(last) > 0.99 and busy.busy_share(last) >= WAIT_MIN_BUSY
+    busy.add(Req(), [ids(10 + k, 12) for k in range(4)], 0, now=last)
+    running = busy.pop_batch(last)  # a full batch of another bucket, still running
+    assert running.size == 4 and running.length == 16
     busy.add(Req(), [ids(1, 3)], 0, now=last)
     assert busy.pop_batch(last) is None  # waits for company within its deadline
     wake = busy.next_wake(last)
     assert last < wake < finish_by(last, 0.100)
-    assert busy.pop_batch(last + 0.03) is None  # still waiting: the worker was busy till now
+    assert busy.pop_batch(last + 0.03) is None  # still waiting: a batch is running
+    # that batch ends: an idle worker waits at most the longest recent batch (11 ms) more
+    busy.batch_done(running, 4, 0.011, end=last + 0.031)
+    assert busy.busy_share(last + 0.031) >= WAIT_MIN_BUSY
+    assert busy.next_wake(last + 0.031) == pytest.approx(last + 0.042)
+    assert busy.pop_batch(last + 0.041) is None
+    assert firsts(busy.pop_batch(last + 0.042)) == [1]
     # the share decays while the worker idles
     assert busy.busy_share(last + 0.03) > busy.busy_share(last + 0.3)
     assert busy.busy_share(last + 0.3) < WAIT_MIN_BUSY
@@ -385,6 +394,78 @@ def test_cost_table_fit_keeps_coefficients_non_negative():
         table.observe(32, rows, secs)
     assert table.predict(32, 3) == pytest.approx(0.005, rel=1e-6)
     assert table.predict(512, 1) >= 0.005 - 1e-9
+
+
+def test_live_batches_teach_the_per_input_host_cost_the_start_up_cells_missed():
+    # GPU-like start-up cells: a batch costs 0.5 ms at any size (a graph replay), so a full
+    # batch looks 4x cheaper per input than one input alone
+    table = CostTable()
+    for rows in (1, 2, 4):
+        table.observe(4, rows, 0.0005)
+    q = make(latency_slo_s=0.050, cost=table)
+    assert q.waiting_pays(4, 2)
+    # live, every input costs 1 ms more (host work, the GIL shared with the HTTP front end)
+    for n in (1, 2, 1, 2, 1, 2):
+        table.observe(4, n, 0.0005 + 0.001 * n, inputs=n)
+    assert table.excess(4) == pytest.approx(0.001)
+    assert table.excess(8) == pytest.approx(0.001)  # no batch of its own yet: every bucket's
+    # a shape no live batch ran at: the start-up cell plus the excess of its inputs
+    assert table.predict(4, 4, 4) == pytest.approx(0.0045)
+    assert table.predict(4, 4, 3) == pytest.approx(0.0035)  # a padding row costs no host work
+    assert table.predict(4, 2, 2) == pytest.approx(0.0025)  # a live cell: its own average
+    # a full batch now costs 1.125 ms an input against 1.25 ms for two: waiting does not pay
+    assert not q.waiting_pays(4, 2)
+    assert q.waiting_pays(4, 1)  # one input alone still pays 1.5 ms
+    q.add(Req(), [ids(1, 3), ids(2, 3)], 0, now=0.0)
+    assert q.start_times() == {4: -math.inf}
+    # planning counts the excess too: 3 full batches of 4 and one of 2
+    assert q.batch_cost(4, 14) == pytest.approx(3 * 0.0045 + 0.0025)
+
+
+def test_live_batches_at_the_start_up_cost_leave_the_wait_decision_alone():
+    # CPU-like: a fixed 8 ms a batch plus 0.5 ms an input; live batches cost what start-up
+    # measured, so nothing is added and short inputs still wait for company
+    table = CostTable()
+    for rows in (1, 2, 4):
+        table.observe(4, rows, 0.008 + 0.0005 * rows)
+    for n in (1, 2, 3):
+        table.observe(4, n, 0.008 + 0.0005 * n, inputs=n)
+    assert table.excess_s == pytest.approx(0.0, abs=1e-12)
+    q = make(latency_slo_s=0.500, cost=table)
+    assert q.waiting_pays(4, 1) and q.waiting_pays(4, 2)
+    # no start-up cells: nothing to compare with, the live cells are the model
+    bare = CostTable()
+    bare.observe(4, 1, 0.010, inputs=1)
+    assert bare.excess_s == 0.0 and bare.predict(4, 1) == 0.010
+
+
+def test_with_deadlines_a_batch_takes_the_size_of_least_cost_per_input():
+    # 2-core-CPU-like: a 4 ms fixed cost a batch, per-token work, and per-token work growing
+    # with the batch (out of cache): at L=16 per input 4/B + 0.1 + 0.0625 B ms, least at 8 of
+    # cap 16; at L=4 the fixed cost dominates up to cap
+    def cost(length, rows):
+        scale = length / 16
+        return 0.004 + 1e-4 * rows * scale + 6.25e-5 * rows * rows * scale
+
+    fixed = make(preferred_batch_size=16, max_batch_tokens=256, max_queue_delay_s=0.0,
+                 cost=FixedCost(cost))
+    slo = make(preferred_batch_size=16, max_batch_tokens=256, latency_slo_s=10.0,
+               cost=FixedCost(cost))
+    assert fixed.target(16) == 16 and slo.capacity(16) == 16
+    per = {b: cost(16, b) / b for b in (1, 2, 4, 8, 16)}
+    assert min(per, key=per.get) == slo.target(16) == 8
+    assert slo.target(4) == 16
+    sizes = {}
+    for name, q in (("fixed", fixed), ("slo", slo)):
+        q.add(Req(), [ids(i, 12) for i in range(20)], 0, now=0.0)
+        sizes[name] = []
+        while (batch := q.pop_batch(100.0)) is not None:
+            sizes[name].append(batch.size)
+    assert sizes == {"fixed": [16, 4], "slo": [8, 8, 4]}
+    # planning and readiness count in targets too: 8 queued inputs are a full batch
+    assert slo.batch_cost(16, 20) == pytest.approx(2 * cost(16, 8) + cost(16, 4))
+    slo.add(Req(), [ids(i, 12) for i in range(8)], 0, now=200.0)
+    assert slo.next_wake(200.0) == 200.0
 
 
 def test_cost_table_keeps_the_longest_recent_batch():

@@ -379,6 +379,7 @@ class EmbeddingBatcher:
         error = EncoderError(f"the embedding model failed on the batch holding this request: "
                              f"{type(exc).__name__}: {exc}")
         with self._cond:
+            self.queue.batch_failed(batch)
             for item in batch.items:
                 self._finish(item.request, error)
 
@@ -460,8 +461,8 @@ async def embed_texts(batcher: EmbeddingBatcher,
 def build_batcher(model: torch.nn.Module, pad_token_id: int, buckets: BucketsConfig
                   ) -> EmbeddingBatcher:
     """The batcher for a loaded BertEmbeddingModel, as the server builds it (not started): on
-    CUDA a CudaGraphRunner whose graphs are captured here (start-up; logged), else the model
-    called directly. `buckets` must already fit the model (check_model)."""
+    CUDA a CudaGraphRunner whose graphs are captured here (start-up; logged), with the fused
+    kernels `[embedding] fused_kernels` asks for, else the model called directly. `buckets` must already fit the model (check_model)."""
     from bucketserve.engine.embedding_queue import batch_capacity
     from bucketserve.engine.embedding_runner import CudaGraphRunner
 
@@ -469,6 +470,8 @@ def build_batcher(model: torch.nn.Module, pad_token_id: int, buckets: BucketsCon
     emb = buckets.embedding
     runner: Runner
     if device.type == "cuda":
+        if emb.fused_kernels != "off" and hasattr(model, "use_fused_kernels"):
+            model.use_fused_kernels(gelu_epilogue=True if emb.fused_kernels == "tanh-gelu" else None)
         size, tokens = emb.batch_size("cuda"), emb.batch_tokens("cuda")
         runner = CudaGraphRunner(model, emb.spec, emb.batch_sizes,
                                  lambda length: batch_capacity(length, size, tokens),

@@ -9,11 +9,26 @@ queue asks it (`predict`) how long a batch it is holding back would take.
   (weight `alpha` on the newest batch; the first batch sets it), so the table follows a device
   whose speed drifts (other load on the CPU, clocks, an LLM sharing the GPU).
 - A shape never measured is predicted by a non-negative least-squares fit over the measured
-  cells of  cost = a + b * B * L + c * B * L^2  (a fixed cost per batch, the per-token work of
-  the dense layers, the attention), weighted by 1 / value^2 so that small and large batches
-  are fitted to the same relative error. With fewer than three cells, the nearest measured
+  cells of  cost = a + b * T + c * T * L + d * T^2  with T = B * L tokens (a fixed cost per
+  batch, the per-token work of the dense layers, the attention, and per-token work that grows
+  with the batch: on a 2-core Xeon an L=184 MiniLM forward cost 89 us a token at 4 rows and
+  105 at 32, its activations no longer in cache), weighted by 1 / value^2 so that small and
+  large batches are fitted to the same relative error. With fewer than three cells, the nearest measured
   shape (in tokens) scaled up by the token ratio (never down: a conservative guess).
 - Nothing measured: 0.0 (the queue then waits until the deadline itself).
+- Live batches (`observe(..., inputs=n)`) also teach a per-input *excess*: an exponentially
+  weighted average of (measured seconds - the start-up model's prediction for that shape) /
+  inputs, at least 0. It is the host work per input that the start-up batches, timed alone on
+  an idle process, did not pay: on a GPU the worker's own launch / collect / answer work per
+  input and the GIL it shares with the HTTP front end, which at a few thousand inputs a second
+  cost more than the device (H200, all-MiniLM-L6-v2: about 0.4 ms an input at 1,000 texts/s,
+  0.8 at 2,000, against a 0.5 ms graph replay of a whole batch). A shape some live batch ran
+  at is predicted by its own cell (which then holds that work); any other shape by the
+  start-up model plus excess x inputs, so a full batch never measured live is not predicted
+  at the idle process's cost. With no start-up cells the excess stays 0 (nothing to compare
+  with) and every cell is used as above. The excess is kept per bucket length (used once
+  EXCESS_MIN_BATCHES of its batches ran) and over all buckets (used before): on a CPU under
+  other load it grows with the length; on a GPU's host path it is about the same for all.
 
 `recent_max()` is the longest of the last few batches: a batch that has just started cannot
 be interrupted, so a bucket whose start comes meanwhile waits for it (embedding_queue.py
@@ -26,14 +41,19 @@ import itertools
 import math
 from collections import deque
 
-# Coefficient subsets tried for the fit, all three first; the best fit whose coefficients are
+# Coefficient subsets tried for the fit, all four first; the best fit whose coefficients are
 # all >= 0 wins (a negative fixed cost or attention term predicts nonsense off the grid).
-_TERMS = [s for k in (3, 2, 1) for s in itertools.combinations(range(3), k)]
+NUM_TERMS = 4
+_TERMS = [s for k in range(NUM_TERMS, 0, -1) for s in itertools.combinations(range(NUM_TERMS), k)]
+# A bucket's own excess per input is used once this many of its live batches ran.
+EXCESS_MIN_BATCHES = 3
+# The fit over all cells (live ones included) is redone after this many observations.
+REFIT_EVERY = 16
 
 
-def _features(length: int, rows: int) -> tuple[float, float, float]:
+def _features(length: int, rows: int) -> tuple[float, ...]:
     tokens = float(rows * length)
-    return 1.0, tokens, tokens * length
+    return 1.0, tokens, tokens * length, tokens * tokens
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
@@ -61,53 +81,113 @@ class CostTable:
         self._recent: deque[float] = deque(maxlen=recent)  # the last batches' seconds
         self.cells: dict[tuple[int, int], float] = {}  # (L, B) -> seconds (EWMA)
         self.samples: dict[tuple[int, int], int] = {}  # (L, B) -> batches observed
-        self._coef: tuple[float, float, float] | None = None
+        self.live: set[tuple[int, int]] = set()  # shapes some live batch ran at
+        self.excess_s = 0.0  # seconds per input live batches paid above the start-up model
+        self.excess_per_length: dict[int, tuple[float, int]] = {}  # L -> (excess, batches)
+        self._live_batches = 0
+        self._start: dict[tuple[int, int], float] = {}  # start-up cells (observe without inputs)
+        self._coef: tuple[float, ...] | None = None
+        self._start_coef: tuple[float, ...] | None = None
         self._dirty = False
+        self._start_dirty = False
+        self.version = 0  # observations so far (the queue recomputes what it derived from us)
+        self._since_fit = 0  # observations since the last fit of all cells
 
-    def observe(self, length: int, rows: int, seconds: float) -> None:
-        """One measured batch of `rows` x `length` took `seconds`."""
+    def observe(self, length: int, rows: int, seconds: float, inputs: int | None = None) -> None:
+        """One measured batch of `rows` x `length` took `seconds`. inputs: the real inputs of
+        a live batch (None: a start-up measurement)."""
         if not math.isfinite(seconds) or seconds < 0:
             return
         key = (length, rows)
+        self.version += 1
+        if inputs is not None and inputs > 0 and self._start:
+            sample = max(0.0, seconds - self._predict_from(self._start, True, length, rows))
+            self._learn_excess(length, sample / inputs)
         old = self.cells.get(key)
+        if inputs is not None:
+            if key not in self.live:  # a live cell starts from live batches alone
+                self.live.add(key)
+                old = None
+        else:
+            start = self._start.get(key)
+            self._start[key] = seconds if start is None else start + self.alpha * (seconds - start)
+            self._start_dirty = True
         self._recent.append(seconds)
         self.cells[key] = seconds if old is None else old + self.alpha * (seconds - old)
         self.samples[key] = self.samples.get(key, 0) + 1
         self._dirty = True
+        self._since_fit += 1
+
+    def _learn_excess(self, length: int, sample: float) -> None:
+        # the first batches average plainly, then the moving average takes over
+        self._live_batches += 1
+        self.excess_s += max(self.alpha, 1.0 / self._live_batches) * (sample - self.excess_s)
+        value, count = self.excess_per_length.get(length, (0.0, 0))
+        count += 1
+        value += max(self.alpha, 1.0 / count) * (sample - value)
+        self.excess_per_length[length] = (value, count)
+
+    def excess(self, length: int) -> float:
+        """Seconds per input live batches of bucket `length` paid above the start-up model:
+        this bucket's own average once EXCESS_MIN_BATCHES of its batches ran, else every
+        bucket's (on a CPU under other load the excess grows with the length, on a GPU's
+        host path it is about the same for every length)."""
+        value, count = self.excess_per_length.get(length, (0.0, 0))
+        return value if count >= EXCESS_MIN_BATCHES else self.excess_s
 
     def recent_max(self) -> float:
         """The longest of the last batches observed (seconds; 0.0 before any)."""
         return max(self._recent, default=0.0)
 
-    def predict(self, length: int, rows: int) -> float:
-        """Predicted seconds of a batch of `rows` x `length` (see the module docstring)."""
-        exact = self.cells.get((length, rows))
+    def predict(self, length: int, rows: int, inputs: int | None = None) -> float:
+        """Predicted seconds of a batch of `rows` x `length` holding `inputs` real inputs
+        (None: rows) (see the module docstring)."""
+        key = (length, rows)
+        if key in self.live or not self._start:
+            return self._predict_from(self.cells, False, length, rows)
+        return (self._predict_from(self._start, True, length, rows)
+                + self.excess(length) * (rows if inputs is None else inputs))
+
+    def _predict_from(self, cells: dict[tuple[int, int], float], start: bool, length: int,
+                      rows: int) -> float:
+        exact = cells.get((length, rows))
         if exact is not None:
             return exact
-        if not self.cells:
+        if not cells:
             return 0.0
-        if len(self.cells) < 3:
-            return self._scaled_nearest(length, rows)
-        if self._dirty:
-            self._coef = self._fit()
-            self._dirty = False
-        if self._coef is None:
-            return self._scaled_nearest(length, rows)
-        return sum(c * x for c, x in zip(self._coef, _features(length, rows), strict=True))
+        if len(cells) < 3:
+            return self._scaled_nearest(cells, length, rows)
+        if start:
+            if self._start_dirty:
+                self._start_coef = self._fit(cells)
+                self._start_dirty = False
+            coef = self._start_coef
+        else:
+            # the live cells change with every batch: refit every REFIT_EVERY of them
+            if self._dirty and (self._coef is None or self._since_fit >= REFIT_EVERY):
+                self._coef = self._fit(cells)
+                self._dirty = False
+                self._since_fit = 0
+            coef = self._coef
+        if coef is None:
+            return self._scaled_nearest(cells, length, rows)
+        return sum(c * x for c, x in zip(coef, _features(length, rows), strict=True))
 
-    def _scaled_nearest(self, length: int, rows: int) -> float:
+    @staticmethod
+    def _scaled_nearest(cells: dict[tuple[int, int], float], length: int, rows: int) -> float:
         tokens = rows * length
-        (cl, cr), value = min(self.cells.items(),
+        (cl, cr), value = min(cells.items(),
                               key=lambda kv: (abs(kv[0][0] * kv[0][1] - tokens), kv[0]))
         return value * max(1.0, tokens / (cl * cr))
 
-    def _fit(self) -> tuple[float, float, float] | None:
+    @staticmethod
+    def _fit(cells: dict[tuple[int, int], float]) -> tuple[float, ...] | None:
         """Weighted least squares of the cells on the chosen terms, non-negative (_TERMS)."""
-        points = [(_features(*key), value) for key, value in self.cells.items() if value > 0]
+        points = [(_features(*key), value) for key, value in cells.items() if value > 0]
         # columns scaled to at most 1: token counts squared would swamp the constant term
-        scale = [max(x[i] for x, _ in points) or 1.0 for i in range(3)] if points else []
+        scale = [max(x[i] for x, _ in points) or 1.0 for i in range(NUM_TERMS)] if points else []
         points = [(tuple(xi / si for xi, si in zip(x, scale, strict=True)), y) for x, y in points]
-        best: tuple[float, tuple[float, float, float]] | None = None
+        best: tuple[float, tuple[float, ...]] | None = None
         for terms in _TERMS:
             if len(points) < len(terms):
                 continue
@@ -122,11 +202,11 @@ class CostTable:
             sol = _solve(m, v)
             if sol is None or min(sol) < 0:
                 continue
-            coef = [0.0, 0.0, 0.0]
+            coef = [0.0] * NUM_TERMS
             for t, c in zip(terms, sol, strict=True):
                 coef[t] = c
             err = sum((sum(c * xi for c, xi in zip(coef, x, strict=True)) / y - 1.0) ** 2
                       for x, y in points)
             if best is None or err < best[0] - 1e-12:
-                best = (err, (coef[0] / scale[0], coef[1] / scale[1], coef[2] / scale[2]))
+                best = (err, tuple(c / sc for c, sc in zip(coef, scale, strict=True)))
         return None if best is None else best[1]

@@ -6,7 +6,8 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
 1. Each input waits on its own in the bucket of its length: the smallest boundary >= len(ids).
    Within a bucket, inputs wait in one FIFO per priority value (policy "fcfs": all share one).
 2. A bucket of length L holds at most cap(L) = min(preferred_batch_size, max_batch_tokens // L)
-   inputs per batch. It is *ready* when it holds cap(L) live inputs, or when its wait is over:
+   inputs per batch (with deadlines target(L) <= cap(L), point 10, here and below). It is
+   *ready* when it holds cap(L) live inputs, or when its wait is over:
    - fixed delay (latency_slo_s == 0): its oldest input has waited max_queue_delay_s;
    - deadlines (point 7): its predicted batch can no longer wait without missing a deadline.
    With latency_slo_s > 0 every input has a deadline and max_queue_delay_s is not used; with
@@ -61,7 +62,12 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
    near saturation, where a fuller batch's lower cost per input is what keeps up (on the
    H200, where a batch costs about what one input does, the loop without this rule waited
    to its 50 ms SLO at every rate and fell behind at 2,000 texts/s, while a fixed delay of 0
-   ran at p99 3-41 ms: bench/issue15_h200.sh).
+   ran at p99 3-41 ms: bench/issue15_h200.sh). And a busy worker that has gone idle (no
+   batch popped and not yet done) lets a bucket wait for company at most the longest recent
+   batch after the last one ended: company that has not come within about a batch's time is
+   not on its way (the end of a burst), and a wait to the planned start would be latency
+   bought with nothing (on the H200 the last inputs of a 2,000 texts/s run waited up to ~40
+   ms for it, 2% of the run's throughput).
 8. The feedback (`batch_done`, called with each batch's measured time): the batch's shape
    updates the cost table, and its earliest deadline against its end updates the guard: a
    batch that ended s seconds late raises the guard by s at once; one that ended on time
@@ -88,6 +94,17 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
    time out that oldest-first would have served. Without a backlog (a late input in a short
    queue: a burst, a slow batch) point 3 (earliest deadline first) stands: the inputs that can
    still be on time are, and the late one goes first among its peers.
+
+10. Batch size with deadlines. A fixed delay's batch takes up to cap(L) inputs (point 2).
+   With latency_slo_s > 0 it takes up to target(L) <= cap(L): of the candidate sizes (the
+   graph sizes below cap(L) on CUDA, the powers of two below it otherwise, and cap(L)), the
+   largest whose predicted cost per input (the cost table, at the padded size) is within
+   TARGET_TOLERANCE of the least. Everything that says "full" above (ready at once, the fill
+   of point 9, merging's room, the planned batches of point 7, waiting_pays) counts against
+   target(L). Where a batch's cost per input falls with its size (a GPU; short inputs on a
+   CPU) the target is cap(L); where it rises again (long inputs on a 2-core Xeon: an L=184
+   MiniLM batch cost 16.0 ms an input at 4-8 rows and 19.1 at 32, activations out of cache),
+   the target is the cheaper size, which under a backlog drains it faster.
 
 Per batch the work is O(buckets x priorities + B), not O(inputs queued): an offline request
 of 20,000 inputs is drained in ~600 batches without rescanning the queue each time.
@@ -123,6 +140,10 @@ STARVE_SHARE = 0.5
 # its recent time (decayed with time constant BUSY_TAU_S) running batches.
 WAIT_MIN_BUSY = 0.8
 BUSY_TAU_S = 0.5
+# Point 10: a batch with deadlines takes the largest candidate size whose predicted cost per
+# input is within this share of the least; recomputed after this many cost table updates.
+TARGET_TOLERANCE = 0.03
+TARGET_REFRESH = 16
 
 
 def finish_by(arrival: float, budget_s: float) -> float:
@@ -217,13 +238,36 @@ class BucketQueue:
         self._busy_s = 0.0
         self._span_s = 0.0
         self._last_end: float | None = None
+        self._in_flight = 0  # batches popped and not yet done (batch_done / batch_failed)
         self._max_budget_s = latency_slo_s
         self._buckets = {b: _Bucket() for b in self.spec.boundaries}
         self._seq = 0
+        self._targets: dict[int, tuple[int, int]] = {}  # L -> (target, cost table version)
 
     def capacity(self, bucket_len: int) -> int:
         """Most inputs in one batch of this bucket."""
         return batch_capacity(bucket_len, self.preferred_batch_size, self.max_batch_tokens)
+
+    def target(self, bucket_len: int) -> int:
+        """Inputs one batch of this bucket takes (point 10): cap(L) with a fixed delay; with
+        deadlines the size of least predicted cost per input, at most cap(L)."""
+        cap = self.capacity(bucket_len)
+        if not self.latency_slo_s:
+            return cap
+        cached = self._targets.get(bucket_len)
+        version = self.cost.version
+        if cached is not None and version - cached[1] < TARGET_REFRESH:
+            return cached[0]
+        if self.graph_sizes:
+            sizes = {b for b in self.graph_sizes if b < cap}
+        else:
+            sizes = {1 << k for k in range(cap.bit_length()) if 1 << k < cap}
+        predict = self.cost.predict
+        per = [(predict(bucket_len, self.padded_size(b), b) / b, b) for b in sorted(sizes | {cap})]
+        least = min(p for p, _ in per)
+        best = cap if least <= 0 else max(b for p, b in per if p <= (1 + TARGET_TOLERANCE) * least)
+        self._targets[bucket_len] = (best, version)
+        return best
 
     @property
     def num_live(self) -> int:
@@ -259,7 +303,7 @@ class BucketQueue:
             if deadline < math.inf:
                 heapq.heappush(bucket.deadlines, (deadline, self._seq, item))
             bucket.live += 1
-            if bucket.live == 1 or bucket.live >= self.capacity(length):
+            if bucket.live == 1 or bucket.live >= self.target(length):
                 moved = True
             self._seq += 1
         return moved
@@ -309,11 +353,11 @@ class BucketQueue:
     def batch_cost(self, length: int, n: int) -> float:
         """Predicted seconds to run n inputs of one bucket: full batches of cap(L), then the
         rest at its padded size (point 7; merging ignored, so an upper bound)."""
-        cap = self.capacity(length)
+        cap = self.target(length)
         full, rest = divmod(n, cap)
         predict = self.cost.predict
-        total = full * predict(length, self.padded_size(cap)) if full else 0.0
-        return total + (predict(length, self.padded_size(rest)) if rest else 0.0)
+        total = full * predict(length, self.padded_size(cap), cap) if full else 0.0
+        return total + (predict(length, self.padded_size(rest), rest) if rest else 0.0)
 
     def busy_share(self, now: float | None = None) -> float | None:
         """Point 7: the share of its recent time (decayed over BUSY_TAU_S) the worker spent
@@ -349,23 +393,28 @@ class BucketQueue:
         for deadline, length, cost in reversed(jobs):
             later = starts[length] = min(deadline, later) - cost
         early = self.cost.recent_max() + self.guard_s
+        # an idle worker waits for company at most about one batch's time (point 7)
+        idle_until = math.inf
+        if now is not None and self._in_flight == 0 and self._last_end is not None:
+            idle_until = self._last_end + max(self.cost.recent_max(), WAKE_SLACK_S)
         return {length: -math.inf if not self.waiting_pays(length, self._buckets[length].live)
-                else start - early for length, start in starts.items()}
+                else min(start - early, idle_until) for length, start in starts.items()}
 
     def waiting_pays(self, length: int, n: int) -> bool:
         """Point 7: would a full batch of this bucket cost per input enough less than its n
         inputs now (WAIT_GAIN) to wait for it? True where the table knows nothing yet."""
-        cap = self.capacity(length)
+        cap = self.target(length)
         if n >= cap:
             return True  # full: ready anyway
-        now_per = self.cost.predict(length, self.padded_size(n)) / n
-        full_per = self.cost.predict(length, self.padded_size(cap)) / cap
+        now_per = self.cost.predict(length, self.padded_size(n), n) / n
+        full_per = self.cost.predict(length, self.padded_size(cap), cap) / cap
         return not (now_per > 0 and full_per > 0) or now_per >= WAIT_GAIN * full_per
 
     def batch_done(self, batch: Batch, rows: int, seconds: float, end: float) -> int:
         """Point 8: `batch` ran as `rows` rows in `seconds`, ending at `end`. Returns how many
         of its inputs finished after their deadline."""
-        self.cost.observe(batch.length, rows, seconds)
+        self._in_flight = max(0, self._in_flight - 1)
+        self.cost.observe(batch.length, rows, seconds, inputs=batch.size)
         if self._last_end is None:
             self._busy_s = self._span_s = seconds
             self._last_end = end
@@ -389,22 +438,26 @@ class BucketQueue:
         """Point 9: does the queue hold an input its bucket's next batch, run now, would
         finish after the input's deadline, and more work than the largest budget?"""
         lost = False
-        work = 0.0
         for length, bucket in self._buckets.items():
             if not bucket.live:
                 continue
-            work += self.batch_cost(length, bucket.live)
             deadline = bucket.earliest_deadline()
-            if deadline == math.inf or lost:
+            if deadline == math.inf:
                 continue
-            n = min(bucket.live, self.capacity(length))
-            lost = now + self.cost.predict(length, self.padded_size(n)) > deadline
-        return lost and work > self._max_budget_s
+            n = min(bucket.live, self.target(length))
+            if now + self.cost.predict(length, self.padded_size(n), n) > deadline:
+                lost = True
+                break
+        if not lost:
+            return False
+        work = sum(self.batch_cost(length, bucket.live)
+                   for length, bucket in self._buckets.items() if bucket.live)
+        return work > self._max_budget_s
 
     def _ready_at(self, length: int, bucket: _Bucket, oldest: float, now: float,
                   starts: dict[int, float]) -> float:
         """When this non-empty bucket is ready (point 2); <= now: ready."""
-        if bucket.live >= self.capacity(length):
+        if bucket.live >= self.target(length):
             return now
         at = starts.get(length, math.inf)
         if not self.latency_slo_s:
@@ -442,7 +495,7 @@ class BucketQueue:
                 # point 9: under overload a starving bucket (oldest first), then the fullest
                 starve, fill = math.inf, 0.0
                 if overload:
-                    cap = self.capacity(length)
+                    cap = self.target(length)
                     fill = -min(bucket.live, cap) / cap
                     if oldest <= starving:
                         starve = oldest
@@ -452,14 +505,20 @@ class BucketQueue:
         if best is None:
             return None
         length = best[1]
-        items = self._take(length, self.capacity(length))
+        target = self.target(length)
+        items = self._take(length, target)
         batch = Batch(length, items)
-        if len(items) < self.capacity(length) and self.max_merged_padding > 0:
+        if len(items) < target and self.max_merged_padding > 0:
             self._merge(batch)
         if self.graph_sizes:
             self._fit_graph_size(batch)
         batch.overload = overload
+        self._in_flight += 1
         return batch
+
+    def batch_failed(self, batch: Batch) -> None:
+        """A batch pop_batch gave will not reach batch_done (its model call failed)."""
+        self._in_flight = max(0, self._in_flight - 1)
 
     def padded_size(self, n: int) -> int:
         """Rows a batch of n inputs is computed at (point 5)."""
@@ -533,9 +592,9 @@ class BucketQueue:
         best_take: list[QueuedInput] = []
         for t in range(first, len(bounds)):
             T = bounds[t]
-            room = self.capacity(T) - n
+            room = self.target(T) - n
             if room <= 0:
-                break  # larger T hold no more inputs (capacity falls with length)
+                continue  # (targets need not fall with the length, as capacities do)
             if (n * T - useful) / ((n + room) * T) > bound:
                 continue  # even `room` inputs of length T could not dilute the padding enough
             if t > first and not self._buckets[T].live:
