@@ -39,7 +39,8 @@ DOCUMENTED_DEFAULTS = {
                   "batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256],
                   "preferred_batch_size": "auto", "max_batch_tokens": "auto",
                   "max_queue_delay_ms": 5.0, "latency_slo_ms": 0.0,
-                  "max_inputs_per_request": 2048, "max_merged_padding": "auto"},
+                  "max_inputs_per_request": 2048, "max_merged_padding": "auto",
+                  "fused_kernels": "auto"},
 }
 
 
@@ -572,3 +573,12 @@ def test_round_up_batch_size() -> None:
     assert round_up_batch_size(sizes[-1] + 1, sizes) is None
     with pytest.raises(ValueError):
         round_up_batch_size(0, sizes)
+
+
+def test_fused_kernels_takes_only_its_modes(tmp_path: Path) -> None:
+    for mode in ("auto", "off", "tanh-gelu"):
+        config = load_buckets(write(tmp_path, f'[embedding]\nfused_kernels = "{mode}"\n'))
+        assert config.embedding.fused_kernels == mode
+    for bad in ('"on"', "true"):
+        with pytest.raises(ConfigError, match="embedding.fused_kernels.*expected one of"):
+            load_buckets(write(tmp_path, f"[embedding]\nfused_kernels = {bad}\n"))

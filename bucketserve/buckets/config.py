@@ -230,6 +230,9 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str]:
 
 
 _piecewise_choice = _one_of(PIECEWISE_CHOICES)
+# [embedding] fused_kernels (kernels/bert_ops.py; applied to a CUDA encoder by build_batcher)
+FUSED_KERNEL_MODES = ("auto", "off", "tanh-gelu")
+_fused_kernels = _one_of(FUSED_KERNEL_MODES)
 _mixed_graphs = _one_of(MIXED_GRAPH_MODES)
 
 
@@ -278,6 +281,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
         "latency_slo_ms": (_non_negative_float, "embedding.latency_slo_ms"),
         "max_inputs_per_request": (_positive_int, "embedding.max_inputs_per_request"),
         "max_merged_padding": (_closed_fraction_or_auto, "embedding.max_merged_padding"),
+        "fused_kernels": (_fused_kernels, "embedding.fused_kernels"),
     },
 }
 
@@ -293,6 +297,7 @@ class EmbeddingConfig:
     latency_slo_ms: float  # 0: off (fixed max_queue_delay_ms); > 0: deadline-driven batching
     max_inputs_per_request: int
     max_merged_padding: float | str  # merged batches' padding bound, or "auto": merged_padding
+    fused_kernels: str = "auto"  # FUSED_KERNEL_MODES: the CUDA encoder's fused ops
 
     @property
     def spec(self) -> BucketSpec:

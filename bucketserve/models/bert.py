@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bucketserve.kernels import bert_ops
 from bucketserve.models import llama
 from bucketserve.models.llama import Linear, pack_linear_weights
 
@@ -143,6 +144,10 @@ class BertLayer(nn.Module):
         self.ffn_out = _Linear(cfg.intermediate_size, H, bias=True)
         self.ffn_norm = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
         self.act = _ACTIVATIONS[cfg.hidden_act]
+        # kernels/bert_ops.py (BertEmbeddingModel.use_fused_kernels): residual add +
+        # LayerNorm as one kernel; the feed-forward bias + GELU in the GEMM's epilogue
+        self.fused_add_norm = False
+        self.gelu_epilogue = False
 
     def forward(self, x: torch.Tensor, batch: int, attn_mask: torch.Tensor | None) -> torch.Tensor:
         # x [T = B * L, H] (row b * L + i is token i of sequence b); attn_mask [B, 1, 1, L]
@@ -153,8 +158,16 @@ class BertLayer(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, L, head_dim]
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         a = a.transpose(1, 2).reshape(T, H)
-        x = self.attn_norm(x + self.attn_out(a))
-        return self.ffn_norm(x + self.ffn_out(self.act(self.ffn_in(x))))
+        if self.gelu_epilogue:
+            ffn_in = lambda h: bert_ops.linear_gelu(h, self.ffn_in.weight, self.ffn_in.bias)  # noqa: E731
+        else:
+            ffn_in = lambda h: self.act(self.ffn_in(h))  # noqa: E731
+        if not self.fused_add_norm:
+            x = self.attn_norm(x + self.attn_out(a))
+            return self.ffn_norm(x + self.ffn_out(ffn_in(x)))
+        n1, n2 = self.attn_norm, self.ffn_norm
+        x = bert_ops.add_layer_norm(self.attn_out(a), x, n1.weight, n1.bias, n1.eps)
+        return bert_ops.add_layer_norm(self.ffn_out(ffn_in(x)), x, n2.weight, n2.bias, n2.eps)
 
 
 class BertEncoder(nn.Module):
@@ -240,6 +253,17 @@ class BertEmbeddingModel(nn.Module):
     @property
     def embedding_dim(self) -> int:
         return self.config.hidden_size * len(self.pooling)
+
+    def use_fused_kernels(self, add_norm: bool = True, gelu_epilogue: bool | None = None) -> None:
+        """kernels/bert_ops.py in every layer: residual add + LayerNorm as one kernel
+        (add_norm), and the feed-forward bias + GELU in cuBLASLt's epilogue (gelu_epilogue;
+        None: only where that is the model's own activation, the tanh GELU). The torch
+        versions of both run off CUDA, so this changes only a CUDA model's kernels."""
+        if gelu_epilogue is None:
+            gelu_epilogue = self.config.hidden_act in ("gelu_new", "gelu_pytorch_tanh")
+        for layer in self.encoder.layers:
+            layer.fused_add_norm = add_norm
+            layer.gelu_epilogue = gelu_epilogue
 
     def pack_cpu_weights(self) -> bool:
         """Lets every projection of a float32 CPU model use the packed GEMM (llama.py's
