@@ -439,7 +439,7 @@ def test_live_batches_at_the_start_up_cost_leave_the_wait_decision_alone():
     assert bare.excess_s == 0.0 and bare.predict(4, 1) == 0.010
 
 
-def test_with_deadlines_a_batch_takes_the_size_of_least_cost_per_input():
+def test_under_overload_a_batch_takes_the_size_of_least_cost_per_input():
     # 2-core-CPU-like: a 4 ms fixed cost a batch, per-token work, and per-token work growing
     # with the batch (out of cache): at L=16 per input 4/B + 0.1 + 0.0625 B ms, least at 8 of
     # cap 16; at L=4 the fixed cost dominates up to cap
@@ -447,25 +447,28 @@ def test_with_deadlines_a_batch_takes_the_size_of_least_cost_per_input():
         scale = length / 16
         return 0.004 + 1e-4 * rows * scale + 6.25e-5 * rows * rows * scale
 
-    fixed = make(preferred_batch_size=16, max_batch_tokens=256, max_queue_delay_s=0.0,
-                 cost=FixedCost(cost))
-    slo = make(preferred_batch_size=16, max_batch_tokens=256, latency_slo_s=10.0,
-               cost=FixedCost(cost))
+    def drain(q: BucketQueue, now: float) -> list[int]:
+        q.add(Req(), [ids(i, 12) for i in range(20)], 0, now=now)
+        sizes = []
+        while (batch := q.pop_batch(now + 100.0)) is not None:
+            sizes.append(batch.size)
+        return sizes
+
+    kw = dict(preferred_batch_size=16, max_batch_tokens=256, cost=FixedCost(cost))
+    fixed = make(max_queue_delay_s=0.0, **kw)
+    slo = make(latency_slo_s=0.010, **kw)  # a 10 ms SLO: 20 queued inputs are a backlog
     assert fixed.target(16) == 16 and slo.capacity(16) == 16
     per = {b: cost(16, b) / b for b in (1, 2, 4, 8, 16)}
     assert min(per, key=per.get) == slo.target(16) == 8
     assert slo.target(4) == 16
-    sizes = {}
-    for name, q in (("fixed", fixed), ("slo", slo)):
-        q.add(Req(), [ids(i, 12) for i in range(20)], 0, now=0.0)
-        sizes[name] = []
-        while (batch := q.pop_batch(100.0)) is not None:
-            sizes[name].append(batch.size)
-    assert sizes == {"fixed": [16, 4], "slo": [8, 8, 4]}
-    # planning and readiness count in targets too: 8 queued inputs are a full batch
-    assert slo.batch_cost(16, 20) == pytest.approx(2 * cost(16, 8) + cost(16, 4))
-    slo.add(Req(), [ids(i, 12) for i in range(8)], 0, now=200.0)
-    assert slo.next_wake(200.0) == 200.0
+    assert drain(fixed, 0.0) == [16, 4]
+    # lost inputs and more queued work than the SLO: batches of 8 while the backlog lasts
+    # (the last 4 alone are no backlog any more and run as one batch anyway)
+    assert drain(slo, 0.0) == [8, 8, 4]
+    # without a backlog (a long SLO) a batch takes cap(L) as before
+    relaxed = make(latency_slo_s=10.0, **kw)
+    assert drain(relaxed, 0.0) == [16, 4]
+    assert relaxed.batch_cost(16, 20) == pytest.approx(cost(16, 16) + cost(16, 4))
 
 
 def test_cost_table_keeps_the_longest_recent_batch():

@@ -6,7 +6,7 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
 1. Each input waits on its own in the bucket of its length: the smallest boundary >= len(ids).
    Within a bucket, inputs wait in one FIFO per priority value (policy "fcfs": all share one).
 2. A bucket of length L holds at most cap(L) = min(preferred_batch_size, max_batch_tokens // L)
-   inputs per batch (with deadlines target(L) <= cap(L), point 10, here and below). It is
+   inputs per batch (under overload with deadlines target(L) <= cap(L), point 10). It is
    *ready* when it holds cap(L) live inputs, or when its wait is over:
    - fixed delay (latency_slo_s == 0): its oldest input has waited max_queue_delay_s;
    - deadlines (point 7): its predicted batch can no longer wait without missing a deadline.
@@ -95,16 +95,18 @@ Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under 
    queue: a burst, a slow batch) point 3 (earliest deadline first) stands: the inputs that can
    still be on time are, and the late one goes first among its peers.
 
-10. Batch size with deadlines. A fixed delay's batch takes up to cap(L) inputs (point 2).
-   With latency_slo_s > 0 it takes up to target(L) <= cap(L): of the candidate sizes (the
+10. Batch size under overload. A batch takes up to cap(L) inputs (point 2), except with
+   deadlines under overload (point 9), where throughput is what counts: then it takes up to
+   target(L) <= cap(L) (merging's room counts against it too): of the candidate sizes (the
    graph sizes below cap(L) on CUDA, the powers of two below it otherwise, and cap(L)), the
    largest whose predicted cost per input (the cost table, at the padded size) is within
-   TARGET_TOLERANCE of the least. Everything that says "full" above (ready at once, the fill
-   of point 9, merging's room, the planned batches of point 7, waiting_pays) counts against
-   target(L). Where a batch's cost per input falls with its size (a GPU; short inputs on a
-   CPU) the target is cap(L); where it rises again (long inputs on a 2-core Xeon: an L=184
-   MiniLM batch cost 16.0 ms an input at 4-8 rows and 19.1 at 32, activations out of cache),
-   the target is the cheaper size, which under a backlog drains it faster.
+   TARGET_TOLERANCE of the least. Where a batch's cost per input falls with its size (a GPU;
+   short inputs on a CPU) that is cap(L); where it rises again (long inputs on a 2-core Xeon:
+   an L=184 MiniLM batch cost 16.0 ms an input at 4-8 rows and 19.1 at 32, activations out of
+   cache) the cheaper size drains the backlog faster. Outside overload the smaller batches
+   did not pay (2-core Xeon at 100 texts/s, its capacity: 86 vs 92 texts/s with target(L)
+   everywhere, the extra batches' own costs), so readiness, planning and waiting_pays count
+   in cap(L) as before.
 
 Per batch the work is O(buckets x priorities + B), not O(inputs queued): an offline request
 of 20,000 inputs is drained in ~600 batches without rescanning the queue each time.
@@ -249,8 +251,8 @@ class BucketQueue:
         return batch_capacity(bucket_len, self.preferred_batch_size, self.max_batch_tokens)
 
     def target(self, bucket_len: int) -> int:
-        """Inputs one batch of this bucket takes (point 10): cap(L) with a fixed delay; with
-        deadlines the size of least predicted cost per input, at most cap(L)."""
+        """Inputs one batch of this bucket takes under overload (point 10): cap(L) with a
+        fixed delay; with deadlines the size of least predicted cost per input, <= cap(L)."""
         cap = self.capacity(bucket_len)
         if not self.latency_slo_s:
             return cap
@@ -303,7 +305,7 @@ class BucketQueue:
             if deadline < math.inf:
                 heapq.heappush(bucket.deadlines, (deadline, self._seq, item))
             bucket.live += 1
-            if bucket.live == 1 or bucket.live >= self.target(length):
+            if bucket.live == 1 or bucket.live >= self.capacity(length):
                 moved = True
             self._seq += 1
         return moved
@@ -353,7 +355,7 @@ class BucketQueue:
     def batch_cost(self, length: int, n: int) -> float:
         """Predicted seconds to run n inputs of one bucket: full batches of cap(L), then the
         rest at its padded size (point 7; merging ignored, so an upper bound)."""
-        cap = self.target(length)
+        cap = self.capacity(length)
         full, rest = divmod(n, cap)
         predict = self.cost.predict
         total = full * predict(length, self.padded_size(cap), cap) if full else 0.0
@@ -403,7 +405,7 @@ class BucketQueue:
     def waiting_pays(self, length: int, n: int) -> bool:
         """Point 7: would a full batch of this bucket cost per input enough less than its n
         inputs now (WAIT_GAIN) to wait for it? True where the table knows nothing yet."""
-        cap = self.target(length)
+        cap = self.capacity(length)
         if n >= cap:
             return True  # full: ready anyway
         now_per = self.cost.predict(length, self.padded_size(n), n) / n
@@ -444,7 +446,7 @@ class BucketQueue:
             deadline = bucket.earliest_deadline()
             if deadline == math.inf:
                 continue
-            n = min(bucket.live, self.target(length))
+            n = min(bucket.live, self.capacity(length))
             if now + self.cost.predict(length, self.padded_size(n), n) > deadline:
                 lost = True
                 break
@@ -457,7 +459,7 @@ class BucketQueue:
     def _ready_at(self, length: int, bucket: _Bucket, oldest: float, now: float,
                   starts: dict[int, float]) -> float:
         """When this non-empty bucket is ready (point 2); <= now: ready."""
-        if bucket.live >= self.target(length):
+        if bucket.live >= self.capacity(length):
             return now
         at = starts.get(length, math.inf)
         if not self.latency_slo_s:
@@ -505,11 +507,11 @@ class BucketQueue:
         if best is None:
             return None
         length = best[1]
-        target = self.target(length)
+        target = self.target(length) if overload else self.capacity(length)
         items = self._take(length, target)
         batch = Batch(length, items)
         if len(items) < target and self.max_merged_padding > 0:
-            self._merge(batch)
+            self._merge(batch, overload)
         if self.graph_sizes:
             self._fit_graph_size(batch)
         batch.overload = overload
@@ -580,7 +582,7 @@ class BucketQueue:
                 if not item.request.done:
                     yield item
 
-    def _merge(self, batch: Batch) -> None:
+    def _merge(self, batch: Batch, overload: bool = False) -> None:
         """Tops the batch up with other buckets' inputs within the padding bound (point 4)."""
         items = batch.items
         n = len(items)
@@ -592,7 +594,7 @@ class BucketQueue:
         best_take: list[QueuedInput] = []
         for t in range(first, len(bounds)):
             T = bounds[t]
-            room = self.target(T) - n
+            room = (self.target(T) if overload else self.capacity(T)) - n
             if room <= 0:
                 continue  # (targets need not fall with the length, as capacities do)
             if (n * T - useful) / ((n + room) * T) > bound:
