@@ -471,6 +471,24 @@ def test_under_overload_a_batch_takes_the_size_of_least_cost_per_input():
     assert relaxed.batch_cost(16, 20) == pytest.approx(cost(16, 16) + cost(16, 4))
 
 
+def test_a_live_only_table_refits_every_few_batches_not_every_one():
+    from bucketserve.engine.embedding_cost import REFIT_EVERY
+
+    table = CostTable()
+    for rows in (1, 4, 16):
+        table.observe(32, rows, 0.001 * rows, inputs=rows)  # live only: no start-up cells
+    assert table.predict(64, 8) == pytest.approx(0.016, rel=1e-3)  # 1 ms per 32 tokens
+    # a longer bucket turns out twice as dear per token (attention-like, cost ~ B x L^2):
+    # the fit waits for more batches ...
+    for rows in (1, 4, 16):
+        table.observe(64, rows, 0.004 * rows, inputs=rows)
+    assert table.predict(64, 8) == pytest.approx(0.016, rel=1e-3)
+    for _ in range(REFIT_EVERY - 3):
+        table.observe(64, 16, 0.064, inputs=16)
+    # ... then refits on every cell
+    assert table.predict(64, 8) == pytest.approx(0.032, rel=0.02)
+
+
 def test_cost_table_keeps_the_longest_recent_batch():
     table = CostTable(recent=2)
     assert table.recent_max() == 0.0

@@ -29,6 +29,9 @@ queue asks it (`predict`) how long a batch it is holding back would take.
   with) and every cell is used as above. The excess is kept per bucket length (used once
   EXCESS_MIN_BATCHES of its batches ran) and over all buckets (used before): on a CPU under
   other load it grows with the length; on a GPU's host path it is about the same for all.
+- The fit over the start-up cells is redone whenever one changes (start-up only); the fit
+  over all cells (used when there are no start-up cells) at most every REFIT_EVERY
+  observations, since live cells change with every batch and the queue predicts on every pop.
 
 `recent_max()` is the longest of the last few batches: a batch that has just started cannot
 be interrupted, so a bucket whose start comes meanwhile waits for it (embedding_queue.py
