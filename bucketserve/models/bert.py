@@ -158,16 +158,19 @@ class BertLayer(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, L, head_dim]
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         a = a.transpose(1, 2).reshape(T, H)
-        if self.gelu_epilogue:
-            ffn_in = lambda h: bert_ops.linear_gelu(h, self.ffn_in.weight, self.ffn_in.bias)  # noqa: E731
-        else:
-            ffn_in = lambda h: self.act(self.ffn_in(h))  # noqa: E731
         if not self.fused_add_norm:
             x = self.attn_norm(x + self.attn_out(a))
-            return self.ffn_norm(x + self.ffn_out(ffn_in(x)))
+            return self.ffn_norm(x + self.ffn_out(self._ffn_in(x)))
         n1, n2 = self.attn_norm, self.ffn_norm
         x = bert_ops.add_layer_norm(self.attn_out(a), x, n1.weight, n1.bias, n1.eps)
-        return bert_ops.add_layer_norm(self.ffn_out(ffn_in(x)), x, n2.weight, n2.bias, n2.eps)
+        return bert_ops.add_layer_norm(self.ffn_out(self._ffn_in(x)), x, n2.weight, n2.bias,
+                                       n2.eps)
+
+    def _ffn_in(self, x: torch.Tensor) -> torch.Tensor:
+        # [T, H] -> act(x W_in^T + b_in) [T, I]; the epilogue computes the tanh GELU
+        if self.gelu_epilogue:
+            return bert_ops.linear_gelu(x, self.ffn_in.weight, self.ffn_in.bias)
+        return self.act(self.ffn_in(x))
 
 
 class BertEncoder(nn.Module):
