@@ -298,8 +298,6 @@ def tune(traffic: Traffic, limits: TuneLimits, delay_s: float = 0.005, preferred
     total = max(1, int(limits.memory_gib * 1024.0 // limits.graph_mib))
     # name, values, weights, align, forced shapes above the trace (its limit; headroom)
     tables: list[tuple[str, list, list | None, int, list[int]]] = []
-
-
     if traffic.prompt_lens:
         plens = [min(n, limits.max_model_len) for n in traffic.prompt_lens]
         # no headroom: a prompt longer than the last boundary is computed at its own length

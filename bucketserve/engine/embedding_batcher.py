@@ -462,7 +462,8 @@ def build_batcher(model: torch.nn.Module, pad_token_id: int, buckets: BucketsCon
                   ) -> EmbeddingBatcher:
     """The batcher for a loaded BertEmbeddingModel, as the server builds it (not started): on
     CUDA a CudaGraphRunner whose graphs are captured here (start-up; logged), with the fused
-    kernels `[embedding] fused_kernels` asks for, else the model called directly. `buckets` must already fit the model (check_model)."""
+    kernels `[embedding] fused_kernels` asks for, else the model called directly. `buckets`
+    must already fit the model (check_model)."""
     from bucketserve.engine.embedding_queue import batch_capacity
     from bucketserve.engine.embedding_runner import CudaGraphRunner
 

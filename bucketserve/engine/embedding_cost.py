@@ -91,7 +91,6 @@ class CostTable:
         self._start: dict[tuple[int, int], float] = {}  # start-up cells (observe without inputs)
         self._coef: tuple[float, ...] | None = None
         self._start_coef: tuple[float, ...] | None = None
-        self._dirty = False
         self._start_dirty = False
         self.version = 0  # observations so far (the queue recomputes what it derived from us)
         self._since_fit = 0  # observations since the last fit of all cells
@@ -118,7 +117,6 @@ class CostTable:
         self._recent.append(seconds)
         self.cells[key] = seconds if old is None else old + self.alpha * (seconds - old)
         self.samples[key] = self.samples.get(key, 0) + 1
-        self._dirty = True
         self._since_fit += 1
 
     def _learn_excess(self, length: int, sample: float) -> None:
@@ -167,9 +165,8 @@ class CostTable:
             coef = self._start_coef
         else:
             # the live cells change with every batch: refit every REFIT_EVERY of them
-            if self._dirty and (self._coef is None or self._since_fit >= REFIT_EVERY):
+            if self._since_fit and (self._coef is None or self._since_fit >= REFIT_EVERY):
                 self._coef = self._fit(cells)
-                self._dirty = False
                 self._since_fit = 0
             coef = self._coef
         if coef is None:

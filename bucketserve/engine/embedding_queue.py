@@ -250,6 +250,11 @@ class BucketQueue:
         """Most inputs in one batch of this bucket."""
         return batch_capacity(bucket_len, self.preferred_batch_size, self.max_batch_tokens)
 
+    def batch_limit(self, bucket_len: int, overload: bool) -> int:
+        """Most inputs a batch of this bucket takes now: target(L) under overload, else
+        cap(L) (point 10)."""
+        return self.target(bucket_len) if overload else self.capacity(bucket_len)
+
     def target(self, bucket_len: int) -> int:
         """Inputs one batch of this bucket takes under overload (point 10): cap(L) with a
         fixed delay; with deadlines the size of least predicted cost per input, <= cap(L)."""
@@ -394,11 +399,12 @@ class BucketQueue:
         later = math.inf  # the start of the next job in deadline order
         for deadline, length, cost in reversed(jobs):
             later = starts[length] = min(deadline, later) - cost
-        early = self.cost.recent_max() + self.guard_s
+        recent = self.cost.recent_max()
+        early = recent + self.guard_s
         # an idle worker waits for company at most about one batch's time (point 7)
         idle_until = math.inf
         if now is not None and self._in_flight == 0 and self._last_end is not None:
-            idle_until = self._last_end + max(self.cost.recent_max(), WAKE_SLACK_S)
+            idle_until = self._last_end + max(recent, WAKE_SLACK_S)
         return {length: -math.inf if not self.waiting_pays(length, self._buckets[length].live)
                 else min(start - early, idle_until) for length, start in starts.items()}
 
@@ -507,10 +513,10 @@ class BucketQueue:
         if best is None:
             return None
         length = best[1]
-        target = self.target(length) if overload else self.capacity(length)
-        items = self._take(length, target)
+        limit = self.batch_limit(length, overload)
+        items = self._take(length, limit)
         batch = Batch(length, items)
-        if len(items) < target and self.max_merged_padding > 0:
+        if len(items) < limit and self.max_merged_padding > 0:
             self._merge(batch, overload)
         if self.graph_sizes:
             self._fit_graph_size(batch)
@@ -594,7 +600,7 @@ class BucketQueue:
         best_take: list[QueuedInput] = []
         for t in range(first, len(bounds)):
             T = bounds[t]
-            room = (self.target(T) if overload else self.capacity(T)) - n
+            room = self.batch_limit(T, overload) - n
             if room <= 0:
                 continue  # (targets need not fall with the length, as capacities do)
             if (n * T - useful) / ((n + room) * T) > bound:
