@@ -331,7 +331,7 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--rates", default=None,
@@ -364,7 +364,7 @@ def main() -> int:
                          "into several commands, then --merge their JSONs")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="combine runs of earlier --only sweeps into --out (verdict, plot)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     # a SIGTERM (timeout(1)) unwinds like an exception: the servers are stopped on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if a.merge:
@@ -374,6 +374,7 @@ def main() -> int:
                 parts.append(json.load(f))
         result = {**parts[0], "runs": [r for p in parts for r in p["runs"]],
                   "settings": list(dict.fromkeys(x for p in parts for x in p["settings"])),
+                  "rates": sorted({x for p in parts for x in p["rates"]}),
                   "merged_from": a.merge}
         result["verdict"] = verdict(result["runs"], result["rates"], a.tolerance)
         with open(a.out, "w") as f:

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -489,3 +490,36 @@ def test_tuned_batch_sizes_keep_headroom_above_a_light_trace(tmp_path):
     assert tuner.headroom_ladder(256, 256) == [] and tuner.headroom_ladder(200, 256) == [256]
     text = tuner.render_toml(tuned, load_buckets(), str(trace), limits)
     assert "no traffic in the trace (kept: headroom or the upper limit)" in text
+
+
+def test_slo_sweep_merge_judges_every_rate_of_every_part(tmp_path):
+    # bench/embedding_slo_sweep.py --merge: sweeps of different rates (e.g. 2,000 texts/s in
+    # its own command with more rounds) merge into one verdict over all their rates
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    try:
+        import embedding_slo_sweep as sweep
+    finally:
+        sys.path.pop(0)
+
+    def run(setting: str, rate: float, thr: float, p99: float) -> dict:
+        return {"setting": setting, "rate": rate, "requests": 10, "throughput_inputs_s": thr,
+                "goodput_inputs_s": thr, "p50_ms": p99 / 2, "p99_ms": p99, "p99_all_ms": p99,
+                "within_slo": 1.0, "slo_met": p99 <= 50.0, "slo_ms": 50.0,
+                "server": {"batches": 1}}
+
+    parts = []
+    for rate, fb_thr in ((2000.0, 2010.0), (10.0, 9.0)):
+        part = {"machine": {"device": "cpu", "cpu_model": "x"}, "slo_ms": 50.0, "rates": [rate],
+                "settings": ["feedback", "fixed=0"],
+                "runs": [run("feedback", rate, fb_thr, 20.0), run("fixed=0", rate, rate, 30.0)]}
+        path = tmp_path / f"part{rate:g}.json"
+        path.write_text(json.dumps(part))
+        parts.append(str(path))
+    out = tmp_path / "merged.json"
+    assert sweep.main(["--merge", *parts, "--out", str(out), "--plot", str(tmp_path / "m.png")]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["rates"] == [10.0, 2000.0]
+    by_rate = {v["rate"]: v for v in merged["verdict"]}
+    assert set(by_rate) == {10.0, 2000.0}
+    assert by_rate[2000.0]["throughput_ok"]  # 2,010 vs fixed 0's 2,000
+    assert not by_rate[10.0]["throughput_ok"]  # 9 vs 10: outside the 3% tolerance
