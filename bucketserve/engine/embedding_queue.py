@@ -602,7 +602,9 @@ class BucketQueue:
             T = bounds[t]
             room = self.batch_limit(T, overload) - n
             if room <= 0:
-                continue  # (targets need not fall with the length, as capacities do)
+                if overload:
+                    continue  # targets need not fall with the length, as capacities do
+                break  # larger T hold no more inputs (capacity falls with the length)
             if (n * T - useful) / ((n + room) * T) > bound:
                 continue  # even `room` inputs of length T could not dilute the padding enough
             if t > first and not self._buckets[T].live:
