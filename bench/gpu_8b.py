@@ -71,6 +71,11 @@ MODES = {
                  '1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192]\n',
     "nopiece": None,  # decode graphs only: prefill and mixed steps eager
     "run512": "[scheduler]\nmax_running = 512\n",  # twice the running set
+    # the GPU defaults before max_running / max_batched_tokens "auto" became 1,024 / 16,384
+    # (vLLM's own on this GPU) and the decode graphs went up to 1,024
+    "run256": "[scheduler]\nmax_running = 256\nmax_batched_tokens = 8192\n[decode]\n"
+              "batch_sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, "
+              "192, 208, 224, 240, 256]\n",
 }
 
 
@@ -88,7 +93,7 @@ def make_engine(shape: str, budget: str, mode: str, tmp: str) -> LLMEngine:
     text = MODES.get(mode) or ""
     # The timed runs repeat the same prompts: with prefix caching on, every run after the first
     # would skip most of its prefill (vLLM runs with APC=0 for the same reason).
-    if budget != "auto":
+    if budget != "auto" and "max_batched_tokens" not in text:
         text += ("" if "[scheduler]" in text else "[scheduler]\n")
         text += f"max_batched_tokens = {int(budget)}\n"
     text += "[kv_cache]\nprefix_caching = false\n"
@@ -446,11 +451,15 @@ def main() -> None:
     ap.add_argument("--vllm-site", default=os.environ.get("VLLM_SITE", ""))
     ap.add_argument("--vllm-script", default=default_vllm_script())
     ap.add_argument("--vllm-timeout", type=float, default=420.0)
+    ap.add_argument("--blas", default="", help="torch.backends.cuda.preferred_blas_library")
     args = ap.parse_args()
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     out_json = Path(args.out) / "gpu_8b.json"
     RES["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-                  "argv": sys.argv[1:]}
+                  "argv": sys.argv[1:], "blas": args.blas or "default"}
     bw = gt.copy_bandwidth_gbs()
     RES["env"]["copy_bw_gbs"] = bw
 
@@ -479,7 +488,7 @@ def main() -> None:
                     emit("runs", dict(model=shape, budget=budget, mode=mode, error=repr(e)[:800]))
                     continue
                 startup = time.perf_counter() - t0
-                for n in [int(x) for x in args.requests.split(",")]:
+                for n in [int(x) for x in args.requests.split(",") if x]:
                     r = run_generate(engine, gt.mixed_workload(vocab, n=n), args.repeats)
                     r.update(model=shape, requests=n, budget=engine.max_batched_tokens, mode=mode,
                              startup_s=startup, cuda_info=engine.cuda_info,
@@ -509,6 +518,10 @@ def main() -> None:
                 del engine
                 gc.collect()
                 torch.cuda.empty_cache()
+                left = torch.cuda.memory_allocated() / 2**30
+                if left > 1.0:  # seen at 8B: the next engine's KV budget then comes out ~0
+                    print(f"warning: {left:.1f} GiB still allocated after the {mode} engine; "
+                          "run the next mode in its own process", flush=True)
     save()
     print("\nshape         N     budget mode     ours tok/s  vLLM tok/s  ratio  padding")
     for r in RES["runs"]:

@@ -492,6 +492,30 @@ def test_tuned_batch_sizes_keep_headroom_above_a_light_trace(tmp_path):
     assert "no traffic in the trace (kept: headroom or the upper limit)" in text
 
 
+def test_tune_file_takes_the_decode_headroom_limit_from_the_base_file_per_device(tmp_path):
+    # without --max-running the headroom ladder ends at the base file's running limit on the
+    # device the file is for: the shipped "auto" is 256 on cpu and 1024 on cuda
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"arrival": i * 1.0, "endpoint": "completions",
+                                         "prompt_tokens": 40, "ttft_s": 0.1, "e2e_s": 2.5})
+                             + "\n" for i in range(40)))
+
+    def decode_sizes(text: str) -> list[int]:
+        cfg = tmp_path / "tuned.toml"
+        cfg.write_text(text)
+        return list(load_buckets(str(cfg)).decode_batch_sizes)
+
+    cpu = decode_sizes(tuner.tune_file(str(trace), tuner.TuneLimits(device="cpu")))
+    gpu = decode_sizes(tuner.tune_file(str(trace), tuner.TuneLimits(device="cuda")))
+    assert cpu[-1] == 256 and gpu[-1] == 1024
+    base = tmp_path / "base.toml"
+    base.write_text("[scheduler]\nmax_running = 64\n")
+    own = decode_sizes(tuner.tune_file(str(trace), tuner.TuneLimits(device="cuda"), base=str(base)))
+    assert own[-1] == 64
+    given = decode_sizes(tuner.tune_file(str(trace), tuner.TuneLimits(device="cuda", max_running=96)))
+    assert given[-1] == 96
+
+
 def test_slo_sweep_merge_judges_every_rate_of_every_part(tmp_path):
     # bench/embedding_slo_sweep.py --merge: sweeps of different rates (e.g. 2,000 texts/s in
     # its own command with more rounds) merge into one verdict over all their rates

@@ -29,8 +29,8 @@ DOCUMENTED_DEFAULTS = {
     "prefill": {"boundaries": [16, 32, 64, 128, 256, 512, 1024, 2048], "piecewise_sizes": "auto",
                 "piecewise_choice": "cost", "mixed_graphs": "full"},
     "decode": {"batch_sizes": [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
-                               192, 208, 224, 240, 256]},
-    "scheduler": {"max_running": 256, "max_batched_tokens": "auto", "max_waiting": 1024,
+                               192, 208, 224, 240, 256, *range(288, 1025, 32)]},
+    "scheduler": {"max_running": "auto", "max_batched_tokens": "auto", "max_waiting": 1024,
                   "queue_timeout_s": 600.0, "policy": "priority",
                   "max_prefill_share": 0.25, "async_scheduling": "auto"},
     "kv_cache": {"block_size": 16, "cpu_memory_gib": 2.0, "gpu_memory_fraction": 0.9,
@@ -135,13 +135,35 @@ def test_small_token_budget_is_legal(tmp_path: Path) -> None:
     assert config.max_batched_tokens == 1 < config.prefill_boundaries[-1]
 
 
+def test_max_running_auto_is_per_device_and_bounds_the_decode_graphs(tmp_path: Path) -> None:
+    from bucketserve.buckets.config import AUTO_MAX_RUNNING
+
+    auto = load_buckets()
+    assert auto.max_running == "auto"
+    assert auto.running_limit("cpu") == AUTO_MAX_RUNNING["cpu"] == 256
+    assert auto.running_limit("cuda") == AUTO_MAX_RUNNING["cuda"] == 1024
+    assert auto.running_limit("mps") == 256
+    assert 'max_running = "auto"' in auto.to_toml()
+    # on a GPU every default decode size is captured; a lower limit drops the sizes above it
+    assert auto.decode_graph_sizes("cuda") == list(auto.decode_batch_sizes)
+    assert auto.decode_graph_sizes("cpu")[-1] == 256 and max(auto.decode_graph_sizes("cpu")) == 256
+    fixed = load_buckets(write(tmp_path, "[scheduler]\nmax_running = 300\n"))
+    assert fixed.running_limit("cpu") == fixed.running_limit("cuda") == 300
+    sizes = fixed.decode_graph_sizes("cuda")
+    assert sizes[-2:] == [288, 300] and all(b <= 300 for b in sizes)
+    small = load_buckets(write(tmp_path, "[decode]\nbatch_sizes = [1, 8]\n"))
+    assert small.decode_graph_sizes("cuda") == [1, 8]  # below the limit: nothing added
+    with pytest.raises(ConfigError, match="max_running"):
+        load_buckets(write(tmp_path, '[scheduler]\nmax_running = "many"\n'))
+
+
 def test_step_token_budget_auto_is_per_device(tmp_path: Path) -> None:
     from bucketserve.buckets.config import AUTO_STEP_TOKENS
 
     auto = load_buckets()
     assert auto.max_batched_tokens == "auto"
     assert auto.step_token_budget("cpu") == AUTO_STEP_TOKENS["cpu"] == 2048
-    assert auto.step_token_budget("cuda") == AUTO_STEP_TOKENS["cuda"] == 8192
+    assert auto.step_token_budget("cuda") == AUTO_STEP_TOKENS["cuda"] == 16384
     assert auto.step_token_budget("mps") == 2048  # devices without their own default: CPU's
     assert 'max_batched_tokens = "auto"' in auto.to_toml()
     # a value the user sets holds on every device
@@ -227,7 +249,8 @@ def test_max_merged_padding_bounds_accepted(tmp_path: Path) -> None:
 def test_specs_from_config() -> None:
     config = load_buckets()
     assert config.prefill_spec == BucketSpec(config.prefill_boundaries)
-    assert config.decode_spec.lookup(3) == 4 and config.decode_spec.lookup(257) is None
+    assert config.decode_spec.lookup(3) == 4 and config.decode_spec.lookup(257) == 288
+    assert config.decode_spec.lookup(1025) is None
     assert list(config.embedding.spec) == list(config.embedding.boundaries)
 
 

@@ -103,7 +103,7 @@ def test_gpu_engine_greedy_matches_transformers(setup, tmp_path, cuda_graphs, pi
     kinds = {s.kind for s in engine.stats.recent}
     assert {"decode", "mixed"} <= kinds, kinds
     if cuda_graphs:
-        assert engine.cuda_info["graphs"] == len(engine.buckets.decode_batch_sizes)
+        assert engine.cuda_info["graphs"] == len(engine.buckets.decode_graph_sizes("cuda"))
         assert engine.runner.num_graph_steps > 0
     else:
         assert engine.runner.num_graph_steps == 0

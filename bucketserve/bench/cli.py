@@ -96,7 +96,9 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--embedding-max-len", type=int, default=256,
                    help="the encoder's maximum input length (256: all-MiniLM-L6-v2): the last "
                         "embedding boundary, so inputs longer than the trace's are still served")
-    t.add_argument("--max-running", type=int, default=256, help="[scheduler] max_running")
+    t.add_argument("--max-running", type=int, default=None,
+                   help="[scheduler] max_running: the decode headroom's limit (default: the base "
+                        "file's, on --device: \"auto\" is 256 on cpu, 1024 on cuda)")
     t.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="the device the file is for (its \"auto\" embedding batch settings)")
     t.add_argument("--no-headroom", dest="headroom", action="store_false",

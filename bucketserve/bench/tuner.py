@@ -34,7 +34,7 @@ always the encoder's limit (longer inputs would have no bucket).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -50,7 +50,7 @@ class TuneLimits:
     align: int = 1
     max_model_len: int = 2048
     embedding_max_len: int = 256
-    max_running: int = 256
+    max_running: int | None = None  # None: the base file's, on `device` ("auto": per device)
     device: str = "cpu"  # resolves the base file's "auto" embedding batch settings
     headroom: bool = True  # a doubling ladder of shapes above the trace, to each limit
 
@@ -305,7 +305,7 @@ def tune(traffic: Traffic, limits: TuneLimits, delay_s: float = 0.005, preferred
         tables.append(("prefill", plens, None, limits.align, []))
     if traffic.decode_sizes:
         tables.append(("decode", traffic.decode_sizes, traffic.decode_weights, 1,
-                       headroom_ladder(max(traffic.decode_sizes), limits.max_running)
+                       headroom_ladder(max(traffic.decode_sizes), _running(limits))
                        if limits.headroom else []))
     if traffic.embed_lens:
         elens = [min(n, limits.embedding_max_len) for n in traffic.embed_lens]
@@ -400,10 +400,20 @@ def render_toml(tuned: Tuned, base_config, source: str, limits: TuneLimits) -> s
     return "\n".join(lines)
 
 
+def _running(limits: TuneLimits) -> int:
+    from bucketserve.buckets.config import AUTO_MAX_RUNNING
+
+    if limits.max_running is not None:
+        return limits.max_running
+    return AUTO_MAX_RUNNING.get(limits.device, AUTO_MAX_RUNNING["cpu"])
+
+
 def tune_file(path: str, limits: TuneLimits, base: str | None = None) -> str:
     from bucketserve.buckets import load_buckets
 
     base_config = load_buckets(base)
+    if limits.max_running is None:
+        limits = replace(limits, max_running=base_config.running_limit(limits.device))
     traffic = read_traffic(path, limits.max_running)
     if not traffic.prompt_lens and not traffic.embed_lens:
         raise WorkloadError(f"{path}: no requests")

@@ -275,7 +275,7 @@ def build_engine(model: str, device: str, dtype: str, buckets_path: str | None,
              time.perf_counter() - t1, device, list(buckets.prefill_boundaries),
              list(buckets.decode_batch_sizes))
     log.info("scheduler: max_running %d, max_waiting %d, max_batched_tokens %d, queue timeout "
-             "%.1f s, policy %s", buckets.max_running, buckets.max_waiting,
+             "%.1f s, policy %s", engine.max_running, buckets.max_waiting,
              engine.max_batched_tokens, buckets.queue_timeout_s, buckets.policy)
     return engine
 

@@ -56,7 +56,7 @@ class FakeCore(EngineCore):
     def __init__(self, engine: LLMEngine, step_s: float) -> None:
         super().__init__(engine)
         self.step_s = step_s
-        self.max_running = engine.buckets.max_running
+        self.max_running = engine.max_running
         self.waiting: deque[_Seq] = deque()
         self.running: dict[str, _Seq] = {}
         vocab = engine.limits.vocab_size

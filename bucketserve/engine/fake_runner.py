@@ -99,7 +99,7 @@ def install(engine, step_s: float = 0.0) -> FakeRunner:
                       step_s)
     engine.runner = fake
     b, old = engine.buckets, engine.block_manager
-    blocks = b.max_running * -(-engine.max_model_len // b.block_size) + 1
+    blocks = engine.max_running * -(-engine.max_model_len // b.block_size) + 1
     bm = BlockManager(blocks, b.block_size, enable_caching=old.enable_caching,
                       cache_key=(engine.model_name, "fake"))
     engine.block_manager = engine.scheduler.blocks = bm

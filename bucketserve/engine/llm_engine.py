@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bucketserve.buckets import BucketsConfig, load_buckets
+from bucketserve.buckets import BucketsConfig, BucketSpec, load_buckets
 from bucketserve.engine.admission import RequestError, admit
 from bucketserve.engine.admission import validate as validate_request
 from bucketserve.engine.block_manager import BlockManager
@@ -69,6 +69,7 @@ class LLMEngine:
         self.device = torch.device(device)
         # the step token budget on this device ("auto" resolves per device)
         self.max_batched_tokens = buckets.step_token_budget(self.device.type)
+        self.max_running = buckets.running_limit(self.device.type)
         cfg = loaded.config
         dtype = next(loaded.model.parameters()).dtype
         per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
@@ -82,8 +83,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager,
             prefill_buckets=buckets.prefill_spec,
-            decode_buckets=buckets.decode_spec,
-            max_running=buckets.max_running,
+            decode_buckets=BucketSpec(buckets.decode_graph_sizes(self.device.type)),
+            max_running=self.max_running,
             max_batched_tokens=self.max_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.tokenizer.eos_token_ids,
@@ -93,14 +94,14 @@ class LLMEngine:
         sampler = Sampler(self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                   num_blocks, buckets.block_size, self.device, dtype, sampler,
-                                  max_num_seqs=buckets.max_running,
+                                  max_num_seqs=self.max_running,
                                   max_num_tokens=self.max_batched_tokens,
                                   max_model_len=self.max_model_len)
         self.cuda_info: dict = {}
         if self.device.type == "cuda":
             pw = buckets.piecewise_token_counts(self.max_batched_tokens) if piecewise_graphs else None
             self.cuda_info = self.runner.setup_cuda(
-                list(buckets.decode_batch_sizes), use_cuda_graphs=cuda_graphs, piecewise_sizes=pw,
+                buckets.decode_graph_sizes(self.device.type), use_cuda_graphs=cuda_graphs, piecewise_sizes=pw,
                 piecewise_choice=buckets.piecewise_choice, mixed_graphs=buckets.mixed_graphs)
         if async_scheduling is None:
             async_scheduling = buckets.use_async_scheduling(self.device.type)
@@ -126,13 +127,13 @@ class LLMEngine:
 
     def _budget_blocks(self, per_block: int, piecewise_graphs: bool) -> int:
         # No point in more blocks than the running sequences can ever fill.
-        useful = self.buckets.max_running * -(-self.max_model_len // self.buckets.block_size) + 1
+        useful = self.max_running * -(-self.max_model_len // self.buckets.block_size) + 1
         if self.device.type == "cuda":
             # sized after a warm-up forward at the largest step (kv_budget.gpu_kv_budget_blocks)
             cfg, b = self.loaded.config, self.buckets
             blocks, _ = gpu_kv_budget_blocks(
                 self.loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b.block_size,
-                next(self.loaded.model.parameters()).dtype, self.max_batched_tokens, b.max_running,
+                next(self.loaded.model.parameters()).dtype, self.max_batched_tokens, self.max_running,
                 self.max_model_len, b.gpu_memory_fraction, self.device,
                 reserve_graph_activations=piecewise_graphs)
             return max(2, min(blocks, useful))
