@@ -273,7 +273,7 @@ def build_engine(model: str, device: str, dtype: str, buckets_path: str | None,
     engine.generate([[bos if bos is not None else 0]], SamplingParams(max_tokens=2, temperature=0.0))
     log.info("warm-up done in %.2f s; buckets prepared (eager on %s): prefill %s, decode batch sizes %s",
              time.perf_counter() - t1, device, list(buckets.prefill_boundaries),
-             list(buckets.decode_batch_sizes))
+             buckets.decode_graph_sizes(engine.device.type))
     log.info("scheduler: max_running %d, max_waiting %d, max_batched_tokens %d, queue timeout "
              "%.1f s, policy %s", engine.max_running, buckets.max_waiting,
              engine.max_batched_tokens, buckets.queue_timeout_s, buckets.policy)

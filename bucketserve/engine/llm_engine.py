@@ -70,6 +70,7 @@ class LLMEngine:
         # the step token budget on this device ("auto" resolves per device)
         self.max_batched_tokens = buckets.step_token_budget(self.device.type)
         self.max_running = buckets.running_limit(self.device.type)
+        decode_sizes = buckets.decode_graph_sizes(self.device.type)  # none above max_running
         cfg = loaded.config
         dtype = next(loaded.model.parameters()).dtype
         per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
@@ -83,7 +84,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager,
             prefill_buckets=buckets.prefill_spec,
-            decode_buckets=BucketSpec(buckets.decode_graph_sizes(self.device.type)),
+            decode_buckets=BucketSpec(decode_sizes),
             max_running=self.max_running,
             max_batched_tokens=self.max_batched_tokens,
             max_model_len=self.max_model_len,
@@ -101,7 +102,7 @@ class LLMEngine:
         if self.device.type == "cuda":
             pw = buckets.piecewise_token_counts(self.max_batched_tokens) if piecewise_graphs else None
             self.cuda_info = self.runner.setup_cuda(
-                buckets.decode_graph_sizes(self.device.type), use_cuda_graphs=cuda_graphs, piecewise_sizes=pw,
+                decode_sizes, use_cuda_graphs=cuda_graphs, piecewise_sizes=pw,
                 piecewise_choice=buckets.piecewise_choice, mixed_graphs=buckets.mixed_graphs)
         if async_scheduling is None:
             async_scheduling = buckets.use_async_scheduling(self.device.type)
