@@ -9,14 +9,16 @@ BLAS, cuBLASLt (`torch.backends.cuda.preferred_blas_library`) and the best of a 
 tile sweep, and per M the sum over one layer times the layers plus the lm_head: what a decode
 step's GEMMs cost with each.
 
-    python3 bench/gemm_gpu.py [--shape llama-8b] [--rows 1,16,64,128,256,512] [--json FILE]
+With `--gemv`, one-row cells also time the Triton GEMV of kernels/triton_gemv.py over its
+config sweep (the best config per projection is printed and goes into the "best" sum).
+
+    python3 bench/gemm_gpu.py [--shape llama-8b] [--rows 1,16,64,128,256,512] [--gemv] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,8 +27,11 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 
 import gpu_throughput as gt  # noqa: E402
+
+from bucketserve.kernels.cuda_timing import graph_us  # noqa: E402
 
 try:
     import triton
@@ -81,28 +86,21 @@ def triton_mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: tuple) -
                      num_stages=stages)
 
 
-def graph_us(fn, reps: int = 8, trials: int = 11) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(3):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+def best_config(run, configs, x, ws, out, ref, copies: int) -> tuple[float, list] | None:
+    """(microseconds, config) of the fastest config whose result is right, or None."""
+    best = None
+    for cfg in configs:
+        try:
+            run(x, ws[0], out, cfg)
+            err = (out.float() - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
+            if err > 2e-2:
+                continue
+            us = graph_us(lambda i, cfg=cfg: run(x, ws[i % copies], out, cfg))
+        except Exception:  # noqa: BLE001 - a config this GPU cannot run
+            continue
+        if best is None or us < best[0]:
+            best = (us, list(cfg))
+    return best
 
 
 def main() -> None:
@@ -111,6 +109,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64,128,256,512")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--gemv", action="store_true", help="time kernels/triton_gemv at one row")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     s = gt.SHAPES[args.shape]
@@ -137,22 +136,17 @@ def main() -> None:
             torch.backends.cuda.preferred_blas_library("cublas")
             ref = F.linear(x, ws[0]).float()
             if triton is not None and not args.no_triton:
-                best = None
-                for cfg in CONFIGS:
-                    try:
-                        triton_mm(x, ws[0], out, cfg)
-                        err = (out.float() - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
-                        if err > 2e-2:
-                            continue
-                        us = graph_us(lambda i, cfg=cfg, x=x, ws=ws, out=out, c=copies:
-                                      triton_mm(x, ws[i % c], out, cfg))
-                    except Exception:  # noqa: BLE001 - a config this GPU cannot run
-                        continue
-                    if best is None or us < best[0]:
-                        best = (us, cfg)
+                best = best_config(triton_mm, CONFIGS, x, ws, out, ref, copies)
                 if best:
-                    cell["triton"], cell["triton_cfg"] = best[0], list(best[1])
-            for key in ("cublas", "cublaslt", "triton"):
+                    cell["triton"], cell["triton_cfg"] = best
+            if args.gemv and m == 1:
+                from bucketserve.kernels import triton_gemv
+
+                best = best_config(lambda x, w, out, cfg: triton_gemv.gemv(x, w, out, cfg),
+                                   triton_gemv.CONFIGS, x, ws, out, ref, copies)
+                if best:
+                    cell["gemv"], cell["gemv_cfg"] = best
+            for key in ("cublas", "cublaslt", "triton", "gemv"):
                 if key in cell:
                     us = cell[key]
                     cell[key + "_tflops"] = flops / us / 1e6
@@ -170,7 +164,7 @@ def main() -> None:
             for c in res["cells"]:
                 if c["M"] != m:
                     continue
-                v = (min(c.get(x, 1e18) for x in ("cublas", "cublaslt", "triton"))
+                v = (min(c.get(x, 1e18) for x in ("cublas", "cublaslt", "triton", "gemv"))
                      if key == "best" else c.get(key))
                 if v is None:
                     tot = float("nan")

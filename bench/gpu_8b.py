@@ -71,6 +71,7 @@ MODES = {
                  '1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192]\n',
     "nopiece": None,  # decode graphs only: prefill and mixed steps eager
     "run512": "[scheduler]\nmax_running = 512\n",  # twice the running set
+    "nogemv": '[decode]\ngemv = "off"\n',  # one-row projections by cuBLAS
     # the GPU defaults before max_running / max_batched_tokens "auto" became 1,024 / 16,384
     # (vLLM's own on this GPU) and the decode graphs went up to 1,024
     "run256": "[scheduler]\nmax_running = 256\nmax_batched_tokens = 8192\n[decode]\n"

@@ -29,7 +29,8 @@ DOCUMENTED_DEFAULTS = {
     "prefill": {"boundaries": [16, 32, 64, 128, 256, 512, 1024, 2048], "piecewise_sizes": "auto",
                 "piecewise_choice": "cost", "mixed_graphs": "full"},
     "decode": {"batch_sizes": [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
-                               192, 208, 224, 240, 256, *range(288, 1025, 32)]},
+                               192, 208, 224, 240, 256, *range(288, 1025, 32)],
+               "gemv": "auto"},
     "scheduler": {"max_running": "auto", "max_batched_tokens": "auto", "max_waiting": 1024,
                   "queue_timeout_s": 600.0, "policy": "priority",
                   "max_prefill_share": 0.25, "async_scheduling": "auto"},
@@ -342,6 +343,8 @@ INVALID = [
     ('[prefill]\nmixed_graphs = "whole"\n', "prefill.mixed_graphs",
      ["'whole'", '"full"', '"piecewise"']),
     ("[prefill]\nmixed_graphs = 1\n", "prefill.mixed_graphs", ["integer", '"full"']),
+    ('[decode]\ngemv = "cutlass"\n', "decode.gemv", ["'cutlass'", '"auto"', '"off"']),
+    ("[decode]\ngemv = false\n", "decode.gemv", ["boolean", '"on"']),
     # cross-key: an encoder batch must fit one input of the longest bucket
     ("[embedding]\nmax_batch_tokens = 256\n", "embedding.max_batch_tokens", ["256", "512"]),
     ("[embedding]\nboundaries = [512, 16384]\n", "embedding.boundaries", ["8192", "16384"]),

@@ -445,6 +445,22 @@ def test_dummy_model_runs_in_target_dtype(dtype):
     assert logits.std() > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_is_never_chosen_on_cpu_and_bad_modes_are_refused(dtype):
+    # The Triton GEMV is a CUDA kernel: on CPU every mode leaves all projections on torch's
+    # linear (and the logits unchanged), and a mode outside GEMV_MODES is an error.
+    model = build_dummy_model(SMALL, device="cpu", dtype=dtype)
+    h = torch.randn(1, SMALL.hidden_size, dtype=dtype)
+    before = model.compute_logits(h)
+    for mode in ("on", "auto", "off"):
+        assert model.use_gemv(mode) == {}
+        assert all(getattr(m, "gemv", None) is None for m in model.modules())
+        assert model._lm_head_gemv is None
+    assert torch.equal(model.compute_logits(h), before)
+    with pytest.raises(ValueError, match="gemv mode"):
+        model.use_gemv("triton")
+
+
 def test_bind_kv_cache_rejects_wrong_shape():
     model = build_dummy_model(SMALL)
     with pytest.raises(ValueError, match="KV pool has shape"):

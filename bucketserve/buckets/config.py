@@ -244,6 +244,9 @@ _piecewise_choice = _one_of(PIECEWISE_CHOICES)
 FUSED_KERNEL_MODES = ("auto", "off", "tanh-gelu")
 _fused_kernels = _one_of(FUSED_KERNEL_MODES)
 _mixed_graphs = _one_of(MIXED_GRAPH_MODES)
+# [decode] gemv: one-row projections by kernels/triton_gemv (models/llama.py use_gemv)
+GEMV_MODES = ("auto", "on", "off")
+_gemv = _one_of(GEMV_MODES)
 
 
 def _policy(value: Any) -> str:
@@ -266,7 +269,8 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
         "piecewise_choice": (_piecewise_choice, "piecewise_choice"),
         "mixed_graphs": (_mixed_graphs, "mixed_graphs"),
     },
-    "decode": {"batch_sizes": (_increasing_ints, "decode_batch_sizes")},
+    "decode": {"batch_sizes": (_increasing_ints, "decode_batch_sizes"),
+               "gemv": (_gemv, "decode_gemv")},
     "scheduler": {
         "max_running": (_positive_int_or_auto, "max_running"),
         "max_batched_tokens": (_positive_int_or_auto, "max_batched_tokens"),
@@ -357,6 +361,9 @@ class BucketsConfig:
     # how prefill / mixed steps are captured (CUDA): "full" (one graph per token count,
     # attention inside: kernels/cuda_graphs.MixedGraphs) or "piecewise" (attention eager)
     mixed_graphs: str = "full"
+    # one-row projections on CUDA (bf16 / fp16): "auto" (the Triton GEMV per weight shape
+    # where it measures faster than cuBLAS at start-up), "on", "off" (cuBLAS)
+    decode_gemv: str = "auto"
     # Where the values came from, for error messages: the user file (or the default file), and
     # the dotted keys the user file set (defaults may be adapted to the model; user values not).
     source: str = field(default="<defaults>", compare=False)

@@ -277,6 +277,10 @@ def build_engine(model: str, device: str, dtype: str, buckets_path: str | None,
     log.info("scheduler: max_running %d, max_waiting %d, max_batched_tokens %d, queue timeout "
              "%.1f s, policy %s", engine.max_running, buckets.max_waiting,
              engine.max_batched_tokens, buckets.queue_timeout_s, buckets.policy)
+    if engine.cuda_info.get("gemv"):
+        log.info("one-row projections (decode.gemv = %s, measured in %.1f s): %s",
+                 buckets.decode_gemv, engine.cuda_info.get("gemv_s", 0.0),
+                 ", ".join(f"{k} {v['choice']}" for k, v in engine.cuda_info["gemv"].items()))
     return engine
 
 

@@ -103,7 +103,8 @@ class LLMEngine:
             pw = buckets.piecewise_token_counts(self.max_batched_tokens) if piecewise_graphs else None
             self.cuda_info = self.runner.setup_cuda(
                 decode_sizes, use_cuda_graphs=cuda_graphs, piecewise_sizes=pw,
-                piecewise_choice=buckets.piecewise_choice, mixed_graphs=buckets.mixed_graphs)
+                piecewise_choice=buckets.piecewise_choice, mixed_graphs=buckets.mixed_graphs,
+                gemv=buckets.decode_gemv)
         if async_scheduling is None:
             async_scheduling = buckets.use_async_scheduling(self.device.type)
         self.async_scheduling = async_scheduling

@@ -347,21 +347,29 @@ class ModelRunner:
 
     def setup_cuda(self, decode_batch_sizes: list[int], use_cuda_graphs: bool = True,
                    piecewise_sizes: list[int] | None = None,
-                   piecewise_choice: str = "cost", mixed_graphs: str = "full") -> dict:
+                   piecewise_choice: str = "cost", mixed_graphs: str = "full",
+                   gemv: str = "auto") -> dict:
         """Compiles the attention kernels' variants, captures the decode graphs (largest
         first, one pool) and, with `piecewise_sizes` (token counts), the graphs of prefill
         and mixed steps: `mixed_graphs` "full", one graph per token count with attention
         inside (MixedGraphs), or "piecewise", graphs of everything but attention
         (PiecewiseGraphs). `piecewise_choice` "cost" then measures the graphs against
         eager runs at each size (measure_costs) so that each step takes the cheaper; "pad"
-        always replays the next captured size. Returns {"graphs": n, "capture_s": s,
+        always replays the next captured size. `gemv` ("auto", "on", "off"): one-row
+        projections by the Triton GEMV where it measures faster than cuBLAS (use_gemv of
+        the model, before any capture). Returns {"graphs": n, "capture_s": s,
         "graph_pool_mib": m, "kernel_warmup_s": s, "mixed_graphs": mode,
         "piecewise_graphs": n, "piecewise_capture_s": s, "piecewise_pool_mib": m,
-        "cost_model_s": s, "piecewise_eager_from": n} for the start-up log."""
+        "cost_model_s": s, "piecewise_eager_from": n, "gemv": {shape: choice}} for the
+        start-up log."""
         if self.device.type != "cuda":
             raise ValueError("setup_cuda needs a CUDA device")
         sizes = sorted({b for b in decode_batch_sizes if b >= 1})
-        info = {"graphs": 0, "capture_s": 0.0, "graph_pool_mib": 0.0}
+        info: dict = {"graphs": 0, "capture_s": 0.0, "graph_pool_mib": 0.0}
+        if hasattr(self.model, "use_gemv"):
+            t0 = time.perf_counter()
+            info["gemv"] = self.model.use_gemv(gemv)
+            info["gemv_s"] = time.perf_counter() - t0
         backend = getattr(self.model, "attn_backend", None)
         if hasattr(backend, "warm_up"):  # compile kernel variants now, not mid-run
             t0 = time.perf_counter()

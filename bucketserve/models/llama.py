@@ -198,6 +198,15 @@ def _apply_cpu_threads() -> None:
         torch.set_num_threads(int(value))
 
 
+def _gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int]) -> torch.Tensor:
+    from bucketserve.kernels.triton_gemv import gemv
+
+    return gemv(x.contiguous(), weight, config=config)
+
+
+GEMV_MODES = ("auto", "on", "off")
+
+
 def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
     """(packed, weight, bias) of a Linear applied to x [T, in] (no module call overhead)."""
     packed, weight, bias = lin
@@ -212,8 +221,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.packed: torch.Tensor | None = None  # set by pack_linear_weights
+        # CUDA: the Triton GEMV config for one-row inputs (kernels/triton_gemv), set by
+        # LlamaForCausalLM.use_gemv where it measured faster than cuBLAS; None: F.linear
+        self.gemv: tuple[int, int, int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.shape[0] == 1:
+            y = _gemv(x, self.weight, self.gemv)
+            return y if self.bias is None else y + self.bias
         if self.packed is not None and not torch.is_grad_enabled():
             return packed_linear(x, self.packed, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -339,6 +354,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
         self._lm_head_packed: torch.Tensor | None = None  # see pack_cpu_weights
+        self._lm_head_gemv: tuple[int, int, int, int] | None = None  # see use_gemv
         self._cpu_plan: list[tuple] | None = None  # see _forward_cpu
         self._threads_set_for: int | None = None  # the thread _apply_cpu_threads ran in
         # [max_pos, D]: cos in the first D/2 columns, sin in the last D/2
@@ -526,9 +542,49 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head_packed = pack_weight(w if self.lm_head is None else self.lm_head.weight)
         return True
 
+    def use_gemv(self, mode: str = "auto") -> dict:
+        """CUDA, bf16 / fp16 weights: one-row products (a decode step of one sequence) by the
+        Triton GEMV of kernels/triton_gemv instead of cuBLAS. "auto" times both per weight
+        shape (every layer's copy rotating, so that L2 does not hold them) and keeps the GEMV
+        only where it is faster; "on" uses it for every shape; "off" never. Returns per shape
+        ("NxK") the choice and the measured microseconds, for the start-up log."""
+        if mode not in GEMV_MODES:
+            raise ValueError(f"gemv mode {mode!r}; expected one of {GEMV_MODES}")
+        w0 = self.model.embed_tokens.weight
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.bias is None]
+        for m in linears:
+            m.gemv = None
+        self._lm_head_gemv = None
+        if mode == "off" or not w0.is_cuda or w0.dtype not in (torch.bfloat16, torch.float16):
+            return {}
+        from bucketserve.kernels import triton_gemv
+
+        head = w0 if self.lm_head is None else self.lm_head.weight
+        groups: dict[tuple[int, int], list] = {}
+        for m in linears:
+            if m is not self.lm_head:
+                groups.setdefault(tuple(m.weight.shape), []).append(m)
+        info: dict[str, dict] = {}
+        for shape, mods in [*groups.items(), (tuple(head.shape), None)]:
+            weights = [m.weight for m in mods] if mods is not None else [head]
+            if mode == "on":
+                cfg, row = triton_gemv.DEFAULT_CONFIG, {"forced": True}
+            else:
+                cfg, row = triton_gemv.choose(weights)
+            row["choice"] = "gemv" if cfg is not None else "cublas"
+            info[f"{shape[0]}x{shape[1]}" + ("" if mods is not None else " (lm_head)")] = row
+            if mods is None:
+                self._lm_head_gemv = cfg
+            else:
+                for m in mods:
+                    m.gemv = cfg
+        return info
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32 (only the rows passed in are projected)."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self._lm_head_gemv is not None and hidden.shape[0] == 1:
+            return _gemv(hidden, w, self._lm_head_gemv).float()
         if self._lm_head_packed is not None and not torch.is_grad_enabled():
             return packed_linear(hidden.contiguous(), self._lm_head_packed, w, None)
         logits = F.linear(hidden, w)

@@ -1,0 +1,101 @@
+"""A Triton GEMV for one-row projections (CUDA only): y[1, N] = x[1, K] @ W[N, K]^T.
+
+A decode step of one sequence reads every weight once and does two FLOPs per weight, so its
+projections are bound by how fast the weights stream in. cuBLAS reads the small 8B-shape
+projections at 2.5-3.1 TB/s on an H200 (qkv, o) against a 4.15 TB/s copy rate
+(bench/gemm_gpu.py). This kernel gives each program BLOCK_N whole rows of W, walks K in
+BLOCK_K slices with fp32 products accumulated per lane, and reduces once at the end; no
+split-K, so there is no second launch and the sum order is fixed (the result is the same on
+every run). Whether it is used is decided by measurement: `choose` times each weight shape
+of a model against cuBLAS at start-up (bench/gemm_gpu.py --gemv sweeps all of CONFIGS).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from bucketserve.kernels.cuda_timing import graph_us
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    nmask = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + rk
+        if EVEN_K:
+            x = tl.load(x_ptr + cols)
+            w = tl.load(w_rows + cols[None, :], mask=nmask[:, None], other=0.0,
+                        eviction_policy="evict_first")
+        else:
+            kmask = cols < K
+            x = tl.load(x_ptr + cols, mask=kmask, other=0.0)
+            w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); bench/gemm_gpu.py --gemv sweeps these
+CONFIGS = [(bn, bk, w, s) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024)
+           for w in (4, 8) for s in (2, 3, 4) if bn * bk <= 16384]
+DEFAULT_CONFIG = (8, 512, 4, 3)
+# the start-up candidates: the best configs of the H200 sweep at the 8B projections (qkv, o,
+# gate_up, down, lm_head) and their neighbours
+CANDIDATES = [(8, 512, 4, 2), (8, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4),
+              (16, 512, 4, 3), (16, 1024, 8, 2), (16, 1024, 8, 3), (4, 1024, 4, 3)]
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+         config: tuple[int, int, int, int] = DEFAULT_CONFIG) -> torch.Tensor:
+    """x [1, K] (or [K]), weight [N, K] with unit stride along K -> [1, N] in x's dtype."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    assert weight.shape[1] == k and weight.stride(1) == 1 and x.is_contiguous()
+    assert x.numel() == k, "one row"
+    if out is None:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = config
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, weight, out, n, k, weight.stride(0),
+                                        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+                                        num_warps=warps, num_stages=stages)
+    return out
+
+
+def choose(weights: list[torch.Tensor], candidates: list[tuple[int, int, int, int]] | None = None,
+           min_gain: float = 0.02) -> tuple[tuple[int, int, int, int] | None, dict]:
+    """Times one-row products with `weights` (same shape and dtype, e.g. one projection of
+    every layer: they rotate so that L2 does not hold them) by cuBLAS (F.linear) and by this
+    GEMV at each candidate config. Returns (the fastest config, or None when none is at least
+    `min_gain` faster than cuBLAS, {"cublas_us": t, "gemv_us": t, "config": [...]})."""
+    ws = weights[:8]
+    n, k = ws[0].shape
+    x = torch.randn(1, k, device=ws[0].device, dtype=ws[0].dtype)
+    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    ref = F.linear(x, ws[0]).float()
+    calls = len(ws)
+    cublas = graph_us(lambda i: torch.mm(x, ws[i].t(), out=out), calls, trials=7)
+    best: tuple[float, tuple[int, int, int, int]] | None = None
+    for cfg in candidates or CANDIDATES:
+        gemv(x, ws[0], out, cfg)
+        err = (out.float() - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
+        if not err < 2e-2:  # a config this GPU or shape gets wrong is never chosen
+            continue
+        us = graph_us(lambda i, cfg=cfg: gemv(x, ws[i], out, cfg), calls, trials=7)
+        if best is None or us < best[0]:
+            best = (us, cfg)
+    info = {"cublas_us": round(cublas, 2)}
+    if best is not None:
+        info.update(gemv_us=round(best[0], 2), config=list(best[1]))
+    if best is None or best[0] > cublas * (1.0 - min_gain):
+        return None, info
+    return best[1], info
