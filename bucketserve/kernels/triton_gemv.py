@@ -60,8 +60,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     """x [1, K] (or [K]), weight [N, K] with unit stride along K -> [1, N] in x's dtype."""
     k = x.shape[-1]
     n = weight.shape[0]
-    assert weight.shape[1] == k and weight.stride(1) == 1 and x.is_contiguous()
-    assert x.numel() == k, "one row"
+    if weight.shape[1] != k or weight.stride(1) != 1 or not x.is_contiguous():
+        raise ValueError(f"gemv needs weight [N, {k}] with unit stride along K and a "
+                         f"contiguous x; got weight {tuple(weight.shape)} stride "
+                         f"{weight.stride()}")
+    if x.numel() != k:
+        raise ValueError(f"gemv takes one row; got x of shape {tuple(x.shape)}")
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = config
