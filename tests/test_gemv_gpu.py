@@ -89,6 +89,23 @@ def test_use_gemv_modes_set_every_projection_and_the_lm_head(tied):
     assert fp32.use_gemv("on") == {}  # fp32 keeps cuBLAS: the GEMV is for 16-bit weights
 
 
+def test_a_failed_measurement_keeps_cublas(monkeypatch):
+    pytest.importorskip("triton")
+    from bucketserve.kernels import triton_gemv
+    from bucketserve.models.llama import Linear
+
+    def broken(weights, *a, **kw):
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(triton_gemv, "choose", broken)
+    _, model = _model(torch.bfloat16, tied=True)
+    info = model.use_gemv("auto")
+    assert info and all(r["choice"] == "cublas" and "no kernel" in r["error"]
+                        for r in info.values())
+    assert all(m.gemv is None for m in model.modules() if isinstance(m, Linear))
+    assert model._lm_head_gemv is None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_step_with_gemv_matches_cublas_eager_and_in_a_graph(dtype):
     pytest.importorskip("triton")

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bucketserve.buckets.config import GEMV_MODES
 from bucketserve.kernels import cpu_decode
 from bucketserve.kernels.attention import AttentionBackend, get_forward_context
 from bucketserve.kernels.triton_ops import apply_rotary, rms_norm, silu_and_mul  # CPU-safe
@@ -203,8 +204,6 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, in
 
     return gemv(x.contiguous(), weight, config=config)
 
-
-GEMV_MODES = ("auto", "on", "off")
 
 
 def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
@@ -570,7 +569,11 @@ class LlamaForCausalLM(nn.Module):
             if mode == "on":
                 cfg, row = triton_gemv.DEFAULT_CONFIG, {"forced": True}
             else:
-                cfg, row = triton_gemv.choose(weights)
+                try:
+                    cfg, row = triton_gemv.choose(weights)
+                except Exception as e:  # noqa: BLE001 - e.g. a GPU Triton cannot compile for
+                    log.warning("GEMV measurement failed for %s weights (%r); cuBLAS", shape, e)
+                    cfg, row = None, {"error": repr(e)[:200]}
             row["choice"] = "gemv" if cfg is not None else "cublas"
             info[f"{shape[0]}x{shape[1]}" + ("" if mods is not None else " (lm_head)")] = row
             if mods is None:
