@@ -15,6 +15,11 @@
    arrival pattern), then the same closed-loop run.
 5. Inter-arrival gaps of the recorded log (step 2) vs the log recorded while replaying it
    (step 4): histograms and the two-sample KS statistic.
+Both servers run with the prefix cache off (default_buckets.toml: the shipped buckets with
+`prefix_caching = false`, also the tuner's base) unless --prefix-caching: the closed-loop runs
+repeat the trace's prompts, and with the cache on every run after a server's first sight of
+them skips their prefill (the default server sees them in its replay, the tuned one only in its
+first closed run), so the two would not compare the same work.
 Everything lands in --out-dir: JSON per run, the logs, tuned.toml, figures, summary.json.
 """
 
@@ -47,6 +52,7 @@ def cli(*args: str) -> list[str]:
 
 
 SERVE_ARGS: list[str] = []  # --serve-args
+BASE: list[str | None] = [None]  # the default server's buckets file (None: the shipped one)
 EMBEDDING_NAME = ["all-minilm-l6-v2"]  # --request-embedding-model ("": none sent)
 
 
@@ -125,6 +131,18 @@ def main() -> int:
     ap.add_argument("--serve-args", default="",
                     help="more `bucketserve serve` arguments, e.g. '--model DIR --embedding-model "
                          "DIR' (a GPU machine without the model packages)")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="keep the servers' prefix cache on (off by default: the closed-loop "
+                         "runs repeat the trace's prompts, so with it on every run after the "
+                         "first skips their prefill, and the two servers would not compare the "
+                         "same work)")
+    ap.add_argument("--abba-rounds", type=int, default=0,
+                    help="then N rounds of fresh servers, default then tuned in even rounds and "
+                         "tuned then default in odd ones (2: A B B A), each running "
+                         "--closed-runs closed loops: the order effects of one server after "
+                         "the other cancel out")
+    ap.add_argument("--abba-only", action="store_true",
+                    help="only the --abba-rounds, with the tuned.toml already in --out-dir")
     ap.add_argument("--request-embedding-model", default=EMBEDDING_NAME[0],
                     help="model name sent with embedding requests ('' sends none)")
     a = ap.parse_args()
@@ -136,8 +154,20 @@ def main() -> int:
     d = a.out_dir
     trace = os.path.join(d, "skewed_trace.jsonl")
     log_default = os.path.join(d, "request_log_default.jsonl")
-    summary: dict = {"trace": trace, "requests": a.requests, "rate": a.rate, "device": a.device}
+    summary: dict = {"trace": trace, "requests": a.requests, "rate": a.rate, "device": a.device,
+                     "prefix_caching": a.prefix_caching}
+    # the shipped buckets, with the prefix cache off unless --prefix-caching: the default
+    # server runs with this file and tune-buckets takes it as its base (the tuned file keeps it)
+    BASE[0] = None
+    if not a.prefix_caching:
+        BASE[0] = os.path.join(d, "default_buckets.toml")
+        with open(BASE[0], "w") as f:
+            f.write("# the shipped defaults with the prefix cache off (bench/bucket_tuning.py)\n"
+                    "[kv_cache]\nprefix_caching = false\n")
     port = free_port()
+    if a.abba_only:
+        abba(a, d, trace, port)
+        return 0
     if a.resume and os.path.exists(log_default):
         for run in ("default_replay", "default_closed"):
             with open(os.path.join(d, f"{run}.json")) as f:
@@ -145,7 +175,47 @@ def main() -> int:
     else:
         run_default(a, d, trace, log_default, port, summary)
     tune_and_run_tuned(a, d, trace, log_default, port, summary)
+    if a.abba_rounds:
+        abba(a, d, trace, port)
     return 0
+
+
+def abba(a, d, trace, port) -> None:
+    """--abba-rounds rounds of fresh servers in the order A B, B A, ... (A: the default
+    buckets, B: tuned.toml), each with --closed-runs closed loops; into summary.json["abba"]."""
+    tuned = os.path.join(d, "tuned.toml")
+    files = {"default": BASE[0], "tuned": tuned}
+    rows = []
+    for r in range(a.abba_rounds):
+        for name in (("default", "tuned") if r % 2 == 0 else ("tuned", "default")):
+            live = os.path.join(d, f".live_abba_{name}.jsonl")
+            proc = start(port, files[name], live, d, f"abba{r}_{name}", a.device)
+            try:
+                extra = ["--buckets", tuned] if name == "tuned" else []
+                res = closed(port, d, f"abba{r}_{name}", a.closed_runs, "--workload", trace,
+                             "--concurrency", str(a.concurrency), *extra)
+            finally:
+                stop(proc)
+            if os.path.exists(live):
+                os.remove(live)
+            rows.append({"round": r, "config": name, "runs_output_tok_s": res["runs_output_tok_s"],
+                         "median_output_tok_s": res["output_throughput"],
+                         "embedding_padding": res.get("server", {}).get("embedding_padding_waste"),
+                         "load_avg": res["machine"].get("load_avg")})
+            print(json.dumps(rows[-1]), flush=True)
+    path = os.path.join(d, "summary.json")
+    summary: dict = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            summary = json.load(f)
+    summary["abba"] = rows
+    for name in ("default", "tuned"):
+        runs = sorted(x for row in rows if row["config"] == name for x in row["runs_output_tok_s"])
+        summary[f"abba_{name}_median"] = runs[(len(runs) - 1) // 2] if runs else None
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2)
+    print("abba medians over all runs: default", summary["abba_default_median"], "tuned",
+          summary["abba_tuned_median"], flush=True)
 
 
 def run_default(a, d, trace, log_default, port, summary) -> None:
@@ -160,7 +230,7 @@ def run_default(a, d, trace, log_default, port, summary) -> None:
     for p in (log_default, live):
         if os.path.exists(p):
             os.remove(p)
-    proc = start(port, None, live, d, "default", a.device)
+    proc = start(port, BASE[0], live, d, "default", a.device)
     try:
         summary["default_replay"] = bench(port, d, "default_replay", "--trace", trace,
                                           "--plot", os.path.join(d, "plots_default"))
@@ -184,7 +254,8 @@ def tune_and_run_tuned(a, d, trace, log_default, port, summary) -> None:
     if not os.path.exists(source):  # --resume on results from before the whole log was kept
         source = log_default
     summary["tuned_from"] = source
-    subprocess.run(cli("tune-buckets", source, "--out", tuned, "--device", a.device),
+    base = ["--base", BASE[0]] if BASE[0] else []
+    subprocess.run(cli("tune-buckets", source, "--out", tuned, "--device", a.device, *base),
                    check=True)
     check = subprocess.run([sys.executable, "-m", "bucketserve.buckets", "check", tuned],
                            capture_output=True, text=True)
