@@ -225,9 +225,8 @@ class Linear(nn.Module):
         self.gemv: tuple[int, int, int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.shape[0] == 1:
-            y = _gemv(x, self.weight, self.gemv)
-            return y if self.bias is None else y + self.bias
+        if self.gemv is not None and x.shape[0] == 1:  # set only on bias-free projections
+            return _gemv(x, self.weight, self.gemv)
         if self.packed is not None and not torch.is_grad_enabled():
             return packed_linear(x, self.packed, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
