@@ -29,8 +29,10 @@ def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q, scale
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(q, scale) in any of the layouts above -> float32 [out, in]."""
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor,
+                   block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """(q, scale) in any of the layouts above -> float32 [out, in]; `block` is the block shape
+    of a block-wise scale (the checkpoint's `weight_block_size`)."""
     out, inp = q.shape
     qf = q.float()
     s = scale.float()
@@ -42,8 +44,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return qf * s.reshape(out, 1)
     if s.dim() != 2:
         raise ValueError(f"unsupported scale shape {tuple(s.shape)}")
-    b0 = -(-out // s.shape[0])
-    b1 = -(-inp // s.shape[1])
+    b0, b1 = block
     if -(-out // b0) != s.shape[0] or -(-inp // b1) != s.shape[1]:
         raise ValueError(f"block scale {tuple(s.shape)} does not tile a weight of {(out, inp)}")
     full = s.repeat_interleave(b0, dim=0)[:out].repeat_interleave(b1, dim=1)[:, :inp]
