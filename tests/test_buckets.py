@@ -26,6 +26,7 @@ from bucketserve.buckets.__main__ import main as cli_main
 
 # The schema and defaults as documented in /work/notes/TEAM.md (the spec this package implements).
 DOCUMENTED_DEFAULTS = {
+    "model": {"quantization": "none"},
     "prefill": {"boundaries": [16, 32, 64, 128, 256, 512, 1024, 2048], "piecewise_sizes": "auto",
                 "piecewise_choice": "cost", "mixed_graphs": "full"},
     "decode": {"batch_sizes": [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
@@ -35,7 +36,7 @@ DOCUMENTED_DEFAULTS = {
                   "queue_timeout_s": 600.0, "policy": "priority",
                   "max_prefill_share": 0.25, "async_scheduling": "auto"},
     "kv_cache": {"block_size": 16, "cpu_memory_gib": 2.0, "gpu_memory_fraction": 0.9,
-                 "prefix_caching": True},
+                 "prefix_caching": True, "dtype": "auto"},
     "embedding": {"boundaries": [*range(8, 257, 8), 320, 384, 448, 512],
                   "batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256],
                   "preferred_batch_size": "auto", "max_batch_tokens": "auto",

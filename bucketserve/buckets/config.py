@@ -247,6 +247,11 @@ _mixed_graphs = _one_of(MIXED_GRAPH_MODES)
 # [decode] gemv: one-row projections by kernels/triton_gemv (models/llama.py use_gemv)
 GEMV_MODES = ("auto", "on", "off")
 _gemv = _one_of(GEMV_MODES)
+# [model] quantization and [kv_cache] dtype (kernels/quant.py resolves them per device)
+QUANTIZATION_MODES = ("none", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
+_quantization = _one_of(QUANTIZATION_MODES)
+_kv_cache_dtype = _one_of(KV_CACHE_DTYPES)
 
 
 def _policy(value: Any) -> str:
@@ -263,6 +268,7 @@ def _policy(value: Any) -> str:
 # (table, key) -> (validator, BucketsConfig field path). "embedding.x" fields live in
 # BucketsConfig.embedding. The order here is the order of to_toml().
 _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
+    "model": {"quantization": (_quantization, "quantization")},
     "prefill": {
         "boundaries": (_increasing_ints, "prefill_boundaries"),
         "piecewise_sizes": (_sizes_or_auto, "piecewise_sizes"),
@@ -285,6 +291,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
         "cpu_memory_gib": (_positive_float, "cpu_memory_gib"),
         "gpu_memory_fraction": (_fraction, "gpu_memory_fraction"),
         "prefix_caching": (_bool, "prefix_caching"),
+        "dtype": (_kv_cache_dtype, "kv_cache_dtype"),
     },
     "embedding": {
         "boundaries": (_increasing_ints, "embedding.boundaries"),
@@ -364,6 +371,11 @@ class BucketsConfig:
     # one-row projections on CUDA (bf16 / fp16): "auto" (the Triton GEMV per weight shape
     # where it measures faster than cuBLAS at start-up), "on", "off" (cuBLAS)
     decode_gemv: str = "auto"
+    # weights of the decoder projections: "none" (the model dtype) or "fp8" (W8A8, CUDA with
+    # FP8 tensor cores only; kernels/quant.py)
+    quantization: str = "none"
+    # KV pool element type: "auto" (the model dtype) or "fp8" (float8_e4m3fn with scales)
+    kv_cache_dtype: str = "auto"
     # Where the values came from, for error messages: the user file (or the default file), and
     # the dotted keys the user file set (defaults may be adapted to the model; user values not).
     source: str = field(default="<defaults>", compare=False)

@@ -95,10 +95,13 @@ class AsyncEngine:
     @classmethod
     def spawn(cls, model: str, device: str = "cpu", dtype: str = "auto",
               buckets_path: str | None = None, log_level: str = "info",
-              nvtx: bool = False) -> AsyncEngine:
+              nvtx: bool = False, quantization: str | None = None,
+              kv_cache_dtype: str | None = None) -> AsyncEngine:
         """Starts the core process, which loads and warms up the model; returns once it is
-        ready (raises CoreStartError if it fails)."""
-        return cls(ProcessCore(model, device, dtype, buckets_path, log_level, nvtx))
+        ready (raises CoreStartError if it fails). quantization / kv_cache_dtype: the CLI's
+        overrides of the TOML (core.build_engine)."""
+        return cls(ProcessCore(model, device, dtype, buckets_path, log_level, nvtx,
+                               quantization, kv_cache_dtype))
 
     # ---- what the server reads ---------------------------------------------------------
 

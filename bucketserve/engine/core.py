@@ -248,23 +248,38 @@ class CoreConfig:
     parent_pid: int
     log_level: str = "info"
     nvtx: bool = False  # an NVTX range per engine step (LLMEngine nvtx)
+    quantization: str | None = None  # --quantization (None: the TOML's model.quantization)
+    kv_cache_dtype: str | None = None  # --kv-cache-dtype (None: the TOML's kv_cache.dtype)
 
 
 def build_engine(model: str, device: str, dtype: str, buckets_path: str | None,
-                 nvtx: bool = False) -> LLMEngine:
-    """Model, buckets, KV pool and a warm-up generation (every stage runs once)."""
+                 nvtx: bool = False, quantization: str | None = None,
+                 kv_cache_dtype: str | None = None) -> LLMEngine:
+    """Model, buckets, KV pool and a warm-up generation (every stage runs once).
+    quantization / kv_cache_dtype (the CLI flags) override the TOML's model.quantization and
+    kv_cache.dtype; FP8 on a device without FP8 tensor cores raises QuantizationUnsupported
+    (a one-line ValueError) before anything is loaded."""
+    import dataclasses
+
     import torch
 
     from bucketserve.buckets import load_buckets
+    from bucketserve.kernels.quant import resolve_quant_plan
     from bucketserve.models import load_model
 
     torch_dtype = ((torch.bfloat16 if device == "cuda" else torch.float32) if dtype == "auto"
                    else getattr(torch, dtype))
+    buckets = load_buckets(buckets_path)
+    buckets = dataclasses.replace(
+        buckets, quantization=quantization or buckets.quantization,
+        kv_cache_dtype=kv_cache_dtype or buckets.kv_cache_dtype)
+    quant = resolve_quant_plan(device, buckets.quantization, buckets.kv_cache_dtype)
+    log.info("%s", quant.describe())
     t0 = time.perf_counter()
-    loaded = load_model(model, device=device, dtype=torch_dtype)
+    loaded = load_model(model, device=device, dtype=torch_dtype, quantization=quant.weights)
     t_model = time.perf_counter() - t0
-    buckets = load_buckets(buckets_path, max_model_len=loaded.max_model_len)
-    engine = LLMEngine(loaded, buckets, device, nvtx=nvtx)
+    buckets = buckets.check_model(loaded.max_model_len)
+    engine = LLMEngine(loaded, buckets, device, nvtx=nvtx, quant=quant)
     bm = engine.block_manager
     log.info("model %s loaded in %.1f s (max_model_len %d); KV pool: %d blocks of %d tokens",
              engine.model_name, t_model, engine.max_model_len, bm.num_usable_blocks, bm.block_size)
@@ -325,7 +340,8 @@ def run_core_process(cfg: CoreConfig) -> None:
                 from bucketserve.kernels.cpu_threads import apply_engine_layout
 
                 apply_engine_layout()
-            engine = build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path, cfg.nvtx)
+            engine = build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path, cfg.nvtx,
+                                  cfg.quantization, cfg.kv_cache_dtype)
             from bucketserve.engine.fake_core import FakeCore, fake_step_s
             from bucketserve.engine.fake_runner import fake_runner_step_s, install
 

@@ -36,6 +36,7 @@ from bucketserve.engine.sampler import Sampler
 from bucketserve.engine.scheduler import Scheduler
 from bucketserve.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from bucketserve.engine.stats import EngineStats, StepStats
+from bucketserve.kernels.quant import QuantPlan, resolve_quant_plan
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class LLMEngine:
     def __init__(self, loaded, buckets: BucketsConfig, device: str | torch.device = "cpu",
                  num_blocks: int | None = None, cuda_graphs: bool = True,
                  piecewise_graphs: bool = True, async_scheduling: bool | None = None,
-                 nvtx: bool = False) -> None:
+                 nvtx: bool = False, quant: QuantPlan | None = None) -> None:
         """`loaded` is a models.LoadedModel; `num_blocks` overrides the KV budget (tests);
         `cuda_graphs` (CUDA only) captures one decode graph per decode batch size and, with
         `piecewise_graphs`, prefill and mixed steps as graphs too (at the TOML's
@@ -60,7 +61,9 @@ class LLMEngine:
         attention). `async_scheduling` overlaps each step's
         host work with the previous step's device work (None: the TOML's
         scheduler.async_scheduling). `nvtx` (CUDA only) wraps each step in an NVTX range
-        named by its kind and bucket ("decode b=64", "mixed t=2048") for Nsight Systems."""
+        named by its kind and bucket ("decode b=64", "mixed t=2048") for Nsight Systems.
+        `quant`: the start-up's kernels.quant.QuantPlan (None: resolved here from the model's
+        quantization and the TOML's kv_cache.dtype); its KV dtype is the pool's."""
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -73,14 +76,26 @@ class LLMEngine:
         decode_sizes = buckets.decode_graph_sizes(self.device.type)  # none above max_running
         cfg = loaded.config
         dtype = next(loaded.model.parameters()).dtype
+        weights = getattr(loaded.model, "quantization", "none")
+        if quant is None:
+            quant = resolve_quant_plan(self.device, weights, buckets.kv_cache_dtype)
+        elif quant.weights != weights:
+            raise ValueError(f"the quantization plan says weights {quant.weights!r}; the "
+                             f"model was loaded with {weights!r}")
+        self.quant = quant
+        self.kv_dtype = quant.kv_dtype(dtype)
         per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                       buckets.block_size, dtype)
+                                       buckets.block_size, self.kv_dtype)
         if num_blocks is None:
             num_blocks = self._budget_blocks(per_block, cuda_graphs and piecewise_graphs)
-        # prefix cache: block hashes also cover the model and dtype (block_manager.py)
+        log.info("%s; KV pool %s: %d blocks = %d tokens (%.2f GiB)", quant.describe(),
+                 str(self.kv_dtype).removeprefix("torch."), num_blocks,
+                 num_blocks * buckets.block_size, num_blocks * per_block / 2**30)
+        # prefix cache: block hashes also cover the model, dtype and quantization
         self.block_manager = BlockManager(num_blocks, buckets.block_size,
                                           enable_caching=buckets.prefix_caching,
-                                          cache_key=(loaded.name, str(dtype)))
+                                          cache_key=(loaded.name, str(dtype), quant.weights,
+                                                     str(self.kv_dtype)))
         self.scheduler = Scheduler(
             self.block_manager,
             prefill_buckets=buckets.prefill_spec,
@@ -97,7 +112,7 @@ class LLMEngine:
                                   num_blocks, buckets.block_size, self.device, dtype, sampler,
                                   max_num_seqs=self.max_running,
                                   max_num_tokens=self.max_batched_tokens,
-                                  max_model_len=self.max_model_len)
+                                  max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
         self.cuda_info: dict = {}
         if self.device.type == "cuda":
             pw = buckets.piecewise_token_counts(self.max_batched_tokens) if piecewise_graphs else None
@@ -135,7 +150,7 @@ class LLMEngine:
             cfg, b = self.loaded.config, self.buckets
             blocks, _ = gpu_kv_budget_blocks(
                 self.loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b.block_size,
-                next(self.loaded.model.parameters()).dtype, self.max_batched_tokens, self.max_running,
+                self.kv_dtype, self.max_batched_tokens, self.max_running,
                 self.max_model_len, b.gpu_memory_fraction, self.device,
                 reserve_graph_activations=piecewise_graphs)
             return max(2, min(blocks, useful))

@@ -296,9 +296,11 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  sampler: Sampler, max_num_seqs: int, max_num_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, kv_dtype: torch.dtype | None = None) -> None:
         """max_num_seqs / max_num_tokens: the most sequences and tokens a step can hold (the
-        scheduler's limits); max_model_len: the longest sequence (the block-table width)."""
+        scheduler's limits); max_model_len: the longest sequence (the block-table width);
+        dtype: the model's; kv_dtype: the KV pool's (None: dtype; float8_e4m3fn: an FP8
+        pool, kernels/quant.py)."""
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -307,7 +309,7 @@ class ModelRunner:
         self.sampler = sampler
         # [layers, k/v, blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                                    dtype=dtype, device=device)
+                                    dtype=kv_dtype or dtype, device=device)
         model.bind_kv_cache(self.kv_cache)
         if device.type == "cpu" and hasattr(model, "pack_cpu_weights") and model.pack_cpu_weights():
             log.info("CPU: projections use a packed sgemm (oneDNN or MKL: BUCKETSERVE_CPU_GEMM)")
@@ -375,7 +377,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             cfg = self.model.config
             backend.warm_up(self.kv_cache[0, 0], self.kv_cache[0, 1], cfg.num_heads,
-                            self.max_blocks)
+                            self.max_blocks, q_dtype=self.dtype)
             info["kernel_warmup_s"] = time.perf_counter() - t0
         if use_cuda_graphs and sizes and not getattr(backend, "graph_capturable", False):
             log.warning("attention backend %r cannot be captured in a CUDA graph (it syncs "

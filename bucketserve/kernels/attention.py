@@ -269,7 +269,13 @@ class AttentionBackend:
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, scale: float,
+                kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
+        """kv_scales (an FP8 pool's k and v scales: stored = value / scale) need a backend
+        that reads FP8 pools (the Triton one); this one refuses them."""
+        if kv_scales is not None:
+            raise ValueError(f"the {self.name} attention backend has no FP8 KV cache; it "
+                             "needs the Triton backend (CUDA)")
         meta = get_forward_context()
         self.write_kv(k, v, k_cache, v_cache, meta)
         return self.attend(q, k_cache, v_cache, meta, scale)

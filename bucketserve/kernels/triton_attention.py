@@ -38,7 +38,9 @@ from bucketserve.kernels.attention import (
     TILE_SHIFT,
     AttentionBackend,
     AttentionMetadata,
+    get_forward_context,
 )
+from bucketserve.kernels.fp8 import FP8_DTYPE
 
 _LOG2E = 1.4426950408889634
 # a prefill tile of a fixed-grid launch (kernels/attention.prefill_tiles): sequence, query tile
@@ -47,12 +49,13 @@ _TILE_MASK: tl.constexpr = tl.constexpr((1 << TILE_SHIFT) - 1)
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_inv, v_inv,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    # one program per token: k[t], v[t] ([Hkv, D]) -> pool slot slot_mapping[t]
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr):
+    # one program per token: k[t], v[t] ([Hkv, D]) -> pool slot slot_mapping[t]; an FP8 pool
+    # stores k * k_inv and v * v_inv (1 / the layer's scales), saturated to +-448
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # tolerate "no slot" markers as well as the dummy block
@@ -63,13 +66,16 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h[:, None] * stride_ch + d[None, :]
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    if FP8:
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * k_inv, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * v_inv, -448.0), 448.0)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr,
-                   out_ptr, part_o_ptr, part_ml_ptr, nd_ptr, scale_log2,
+                   out_ptr, part_o_ptr, part_ml_ptr, nd_ptr, scale_log2, v_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_cb, stride_cs, stride_ch, stride_bt,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
@@ -107,6 +113,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr,
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 pool: exact in bf16 / fp16
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -118,14 +125,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr,
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 (a padded slot) gives zeros
-        o = acc / l_safe[:, None]
+        o = acc / l_safe[:, None] * v_scale
         tl.store(out_ptr + s * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
     else:
         # partials: part_o [B, Hq, S, BLOCK_D] fp32, part_ml [B, Hq, S, 2] (max, sum)
         num_heads = tl.num_programs(1) * GROUP
         row = (s * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
-        tl.store(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
+        tl.store(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], acc * v_scale,
+                 mask=gmask[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=gmask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=gmask)
 
@@ -156,7 +164,7 @@ def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qsl_ptr,
-                    out_ptr, tiles_ptr, scale_log2, first_seq,
+                    out_ptr, tiles_ptr, scale_log2, v_scale, first_seq,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
@@ -202,6 +210,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, q
         off = page * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=dmask[None, :], other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=dmask[None, :], other=0.0)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -217,6 +226,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, q
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         causal = (n[None, :] <= qpos[:, None]) & nmask[None, :]
         qk = tl.where(causal, qk, float("-inf"))
@@ -229,7 +239,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, q
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    o = acc / l_i[:, None]
+    o = acc / l_i[:, None] * v_scale
     tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
@@ -257,27 +267,32 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 
 def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D] (last dim contiguous) -> pool slots slot_mapping [T]."""
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+    """k, v: [T, Hkv, D] (last dim contiguous) -> pool slots slot_mapping [T]; an FP8 pool
+    stores them divided by kv_scales."""
     t, hkv, d = k.shape
     if t == 0:
         return
     assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1
     assert k_cache.stride() == v_cache.stride()
     _write_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, 1.0 / kv_scales[0], 1.0 / kv_scales[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, PAGE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d))
+        BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+        FP8=k_cache.dtype == FP8_DTYPE)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, num_decodes: int,
                  scale: float, out: torch.Tensor, num_splits: int = 1,
                  block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                 device_count: torch.Tensor | None = None) -> None:
+                 device_count: torch.Tensor | None = None,
+                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """Rows 0..num_decodes-1 of q [T, Hq, D] attend over their contexts; writes out rows.
+    kv_scales: an FP8 pool's (k, v) scales (the pool holds value / scale).
 
     device_count (an int32 tensor of one element on the device): the launch grid covers
     num_decodes rows, but only rows below device_count[0] run (a fixed grid that a CUDA
@@ -304,8 +319,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_o = part_ml = out  # unused
     _decode_kernel[(num_decodes, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml,
-        seq_lens if device_count is None else device_count, scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        seq_lens if device_count is None else device_count, scale * kv_scales[0] * _LOG2E,
+        kv_scales[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, PAGE=k_cache.shape[1], NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
@@ -323,7 +338,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   query_start_loc: torch.Tensor, first_seq: int, num_seqs: int,
                   max_query_len: int, scale: float, out: torch.Tensor,
                   block_m: int = PREFILL_BLOCK_M, block_n: int = 64, num_warps: int = 4,
-                  num_stages: int = 2, tiles: torch.Tensor | None = None) -> None:
+                  num_stages: int = 2, tiles: torch.Tensor | None = None,
+                  kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """Sequences first_seq..num_seqs-1 (query rows from query_start_loc) attend causally
     over their pooled contexts; writes their rows of out.
 
@@ -339,7 +355,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         grid = (tiles.numel(), 1, hq)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        query_start_loc if tiles is None else tiles, scale * _LOG2E, first_seq,
+        query_start_loc if tiles is None else tiles, scale * kv_scales[0] * _LOG2E,
+        kv_scales[1], first_seq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=hq // hkv, HEAD_DIM=d, PAGE=k_cache.shape[1], BLOCK_M=block_m,
@@ -365,8 +382,18 @@ class TritonAttentionBackend(AttentionBackend):
         self._sms: dict[torch.device, int] = {}
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+                 v_cache: torch.Tensor, meta: AttentionMetadata,
+                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+        write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, scale: float,
+                kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
+        """kv_scales: an FP8 pool's (k, v) scales; the pool holds value / scale."""
+        meta = get_forward_context()
+        scales = kv_scales or (1.0, 1.0)
+        self.write_kv(k, v, k_cache, v_cache, meta, scales)
+        return self.attend(q, k_cache, v_cache, meta, scale, scales)
 
     def num_splits(self, meta: AttentionMetadata, num_kv_heads: int,
                    device: torch.device) -> int:
@@ -378,13 +405,13 @@ class TritonAttentionBackend(AttentionBackend):
                                  self._sms[device], self.max_splits)
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                table_width: int) -> None:
+                table_width: int, q_dtype: torch.dtype | None = None) -> None:
         """Compiles the kernel variants a serving run can need, before it starts: decode for
         every split count num_splits() can return (powers of two up to max_splits), prefill
         after 0, 1, 2 and 16 decodes (Triton specialises integer arguments equal to 1 or
         divisible by 16). Reads and writes only the dummy block 0. table_width: the block
-        tables' row stride used when serving."""
-        dev, dtype, d = k_cache.device, k_cache.dtype, k_cache.shape[3]
+        tables' row stride used when serving; q_dtype: the queries' dtype (None: the pool's)."""
+        dev, dtype, d = k_cache.device, q_dtype or k_cache.dtype, k_cache.shape[3]
         splits, s = [], 1
         while s <= (self.decode_splits or self.max_splits):
             splits.append(s)
@@ -402,7 +429,8 @@ class TritonAttentionBackend(AttentionBackend):
         torch.cuda.synchronize(dev)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float,
+               kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """q [T, Hq, D] (last dim contiguous) -> [T, Hq, D] in q's dtype."""
         assert q.stride(2) == 1 and k_cache.stride(3) == 1
         assert k_cache.stride() == v_cache.stride()
@@ -414,17 +442,19 @@ class TritonAttentionBackend(AttentionBackend):
         if fixed is not None:  # a captured prefill / mixed step: grids from its capacity
             if fixed.max_decodes:
                 paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                             fixed.max_decodes, scale, out, device_count=fixed.num_decodes)
+                             fixed.max_decodes, scale, out, device_count=fixed.num_decodes,
+                             kv_scales=kv_scales)
             paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                          meta.query_start_loc, 0, 0, 0, scale, out, tiles=fixed.tiles)
+                          meta.query_start_loc, 0, 0, 0, scale, out, tiles=fixed.tiles,
+                          kv_scales=kv_scales)
             return out
         nd = meta.num_decodes
         if nd:
             splits = self.num_splits(meta, k_cache.shape[2], q.device)
             paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, nd, scale, out,
-                         num_splits=splits)
+                         num_splits=splits, kv_scales=kv_scales)
         if meta.num_seqs > nd:
             paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                           meta.query_start_loc, nd, meta.num_seqs, meta.max_query_len,
-                          scale, out)
+                          scale, out, kv_scales=kv_scales)
         return out

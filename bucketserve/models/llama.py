@@ -27,6 +27,13 @@ from torch import nn
 from bucketserve.buckets.config import GEMV_MODES
 from bucketserve.kernels import cpu_decode
 from bucketserve.kernels.attention import AttentionBackend, get_forward_context
+from bucketserve.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_per_channel
+from bucketserve.kernels.fp8_ops import (
+    fp8_linear,
+    quantize_rows,
+    rms_norm_quant,
+    silu_and_mul_quant,
+)
 from bucketserve.kernels.triton_ops import apply_rotary, rms_norm, silu_and_mul  # CPU-safe
 from bucketserve.models.config import ModelConfig
 
@@ -232,6 +239,79 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+# The decoder projections that quantization = "fp8" stores in FP8 (names inside a layer). The
+# embeddings and the LM head stay in the model dtype: the embedding is a lookup (no product to
+# speed up), and the LM head's logits decide every sampled token (its error would move
+# greedy choices directly); at the 8B shape it is 5% of the weight bytes.
+FP8_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                   "mlp.down_proj")
+
+
+class Fp8Linear(nn.Module):
+    """A projection with FP8 weights: weight [out, in] float8_e4m3fn, weight_scale [out]
+    float32 (one scale per output channel), optional input_scale (a float32 scalar: static
+    activation quantization; absent: per token, dynamic), bias in the model dtype.
+
+    forward takes the activation either in the model dtype (quantized here) or already
+    quantized, (q, scale) from a fused producer (kernels/fp8_ops.rms_norm_quant,
+    silu_and_mul_quant). A checkpoint's per-tensor or block-wise weight scales are turned
+    into per-channel ones when loaded (_load_from_state_dict): the weight is dequantized and
+    quantized again per channel, so every layer runs the one row-wise scaled GEMM."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None,
+                 dtype: torch.dtype | None = None, block: tuple[int, int] = (128, 128)) -> None:
+        super().__init__()
+        self.out_dtype = dtype or torch.bfloat16
+        self.block = block  # the block shape of block-wise checkpoint scales
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE,
+                                               device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32,
+                                                     device=device), requires_grad=False)
+        self.register_buffer("input_scale", None)  # a tensor when a checkpoint has one
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype),
+                                 requires_grad=False) if bias else None
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        key = prefix + "input_scale"
+        if key in state_dict and self.input_scale is None:
+            self.register_buffer("input_scale", torch.empty((), device=self.weight.device))
+        scale_key, weight_key = prefix + "weight_scale", prefix + "weight"
+        scale = state_dict.get(scale_key)
+        if scale is not None and weight_key in state_dict and not (
+                scale.dim() == 1 and scale.numel() == self.weight.shape[0]):
+            w = dequantize_fp8(state_dict[weight_key], scale, self.block)
+            state_dict[weight_key], state_dict[scale_key] = quantize_fp8_per_channel(w)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            x = quantize_rows(x, self.input_scale)
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
+
+
+def quantize_state_dict_fp8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A model state dict (this package's fused names) with every FP8_PROJECTIONS weight
+    replaced by its per-channel FP8 form: `<p>.weight` float8_e4m3fn [out, in] and
+    `<p>.weight_scale` float32 [out] (kernels/fp8.quantize_fp8_per_channel), the format a
+    pre-quantized checkpoint loads into. Other entries are kept as they are."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        prefix = key.removesuffix(".weight")
+        if key.endswith(".weight") and prefix.endswith(FP8_PROJECTIONS) \
+                and value.dtype != FP8_DTYPE:
+            out[key], out[prefix + ".weight_scale"] = quantize_fp8_per_channel(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _projection(in_features: int, out_features: int, bias: bool, fp8: bool,
+                **factory) -> Linear | Fp8Linear:
+    return (Fp8Linear if fp8 else Linear)(in_features, out_features, bias=bias, **factory)
+
+
 class Embedding(nn.Module):
     def __init__(self, num: int, dim: int, **factory) -> None:
         super().__init__()
@@ -256,7 +336,8 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, **factory) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, fp8: bool = False,
+                 **factory) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -264,13 +345,32 @@ class LlamaAttention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=config.attention_bias, **factory)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias,
-                                **factory)
+        self.qkv_proj = _projection(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                    config.attention_bias, fp8, **factory)
+        self.o_proj = _projection(self.q_size, config.hidden_size, config.o_proj_bias, fp8,
+                                  **factory)
         self.attn_backend = attn_backend
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
         self.v_cache: torch.Tensor | None = None
+        # an FP8 KV pool's scales (stored = value / scale): a checkpoint's k_scale / v_scale
+        # buffers when it has them; kv_scales is their host copy for the kernels (set by
+        # LlamaForCausalLM.bind_kv_cache; None: a pool in the model dtype, no scaling)
+        self.register_buffer("k_scale", None)
+        self.register_buffer("v_scale", None)
+        self.kv_scales: tuple[float, float] | None = None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        for name in ("k_scale", "v_scale"):
+            if prefix + name in state_dict and getattr(self, name) is None:
+                self.register_buffer(name, torch.empty((), device=self.o_proj.weight.device))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Writes k, v into the pool and attends q over it (scaled for an FP8 pool)."""
+        if self.kv_scales is None:
+            return self.attn_backend.forward(q, k, v, self.k_cache, self.v_cache, self.scale)
+        return self.attn_backend.forward(q, k, v, self.k_cache, self.v_cache, self.scale,
+                                         kv_scales=self.kv_scales)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H]; cos/sin [T, 1, D/2] -> [T, H]."""
@@ -288,18 +388,17 @@ class LlamaAttention(nn.Module):
         q = qk[:, : self.num_heads]  # [T, Hq, D]
         k = qk[:, self.num_heads:]  # [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, d)
-        o = self.attn_backend.forward(q, k, v, self.k_cache, self.v_cache, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.o_proj(self.attend(q, k, v).reshape(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, **factory) -> None:
+    def __init__(self, config: ModelConfig, fp8: bool = False, **factory) -> None:
         super().__init__()
         self.inter = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias,
-                                      **factory)
-        self.down_proj = Linear(self.inter, config.hidden_size, bias=config.mlp_bias,
-                                   **factory)
+        self.gate_up_proj = _projection(config.hidden_size, 2 * self.inter, config.mlp_bias,
+                                        fp8, **factory)
+        self.down_proj = _projection(self.inter, config.hidden_size, config.mlp_bias, fp8,
+                                     **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)  # [T, 2I]
@@ -308,12 +407,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, **factory) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, fp8: bool = False,
+                 **factory) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = LlamaAttention(config, attn_backend, **factory)
+        self.self_attn = LlamaAttention(config, attn_backend, fp8, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = LlamaMLP(config, **factory)
+        self.mlp = LlamaMLP(config, fp8, **factory)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h [T, H] is the residual stream; it is updated in place and returned."""
@@ -323,12 +423,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, **factory) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, fp8: bool = False,
+                 **factory) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend, **factory) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attn_backend, fp8, **factory)
+                                    for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+
+
+def _norm_into(proj: nn.Module, x: torch.Tensor, norm: RMSNorm,
+               residual: torch.Tensor | None = None):
+    """kernels/triton_ops.rms_norm of x (+ residual) as the input of `proj`: for an Fp8Linear
+    quantized in the same kernel (with its static input scale, if any) -> (the normed input,
+    x + residual or None)."""
+    if isinstance(proj, Fp8Linear):
+        return rms_norm_quant(x, norm.weight, norm.eps, residual, proj.input_scale)
+    return rms_norm(x, norm.weight, norm.eps, residual=residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -336,19 +447,23 @@ class LlamaForCausalLM(nn.Module):
     inside kernels.attention.forward_context(meta) after bind_kv_cache(kv).
 
     Constructed directly, the parameters are uninitialised: use loader.load_model or
-    loader.build_dummy_model to get weights."""
+    loader.build_dummy_model to get weights. quantization "fp8": the FP8_PROJECTIONS are
+    Fp8Linear (state dict: quantize_state_dict_fp8's form)."""
 
     fused_ops = True  # CUDA: run _forward_fused (benchmarks switch it off to compare)
     cpu_kernels = True  # float32 CPU: run _forward_cpu (the C row-wise ops), when they build
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None,
                  device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, quantization: str = "none") -> None:
         super().__init__()
+        if quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization {quantization!r}; expected 'none' or 'fp8'")
         factory = {"device": device, "dtype": dtype}
         self.config = config
+        self.quantization = quantization
         self.attn_backend = attn_backend or AttentionBackend()
-        self.model = LlamaModel(config, self.attn_backend, **factory)
+        self.model = LlamaModel(config, self.attn_backend, quantization == "fp8", **factory)
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
         self._lm_head_packed: torch.Tensor | None = None  # see pack_cpu_weights
@@ -379,9 +494,14 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"KV pool has shape {tuple(kv.shape)}; this model needs [{c.num_layers}, 2, "
                 f"num_blocks, block_size, {c.num_kv_heads}, {c.head_dim}]")
+        fp8 = kv.dtype == FP8_DTYPE
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.k_cache = kv[i, 0]
-            layer.self_attn.v_cache = kv[i, 1]
+            a = layer.self_attn
+            a.k_cache = kv[i, 0]
+            a.v_cache = kv[i, 1]
+            a.kv_scales = None
+            if fp8:  # the checkpoint's scales (one host sync per layer, once), else 1.0
+                a.kv_scales = tuple(1.0 if x is None else float(x) for x in (a.k_scale, a.v_scale))
         self._cpu_plan = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -401,7 +521,8 @@ class LlamaForCausalLM(nn.Module):
     # ---- float32 CPU: the C row-wise ops (kernels/csrc/paged_decode.c) ---------------------
 
     def _cpu_kernels_apply(self, input_ids: torch.Tensor) -> bool:
-        if not self.cpu_kernels or input_ids.device.type != "cpu" or torch.is_grad_enabled():
+        if not self.cpu_kernels or input_ids.device.type != "cpu" or torch.is_grad_enabled() \
+                or self.quantization != "none":
             return False
         w = self.model.embed_tokens.weight
         a = self.model.layers[0].self_attn
@@ -485,21 +606,20 @@ class LlamaForCausalLM(nn.Module):
         """ids, positions [T] -> (residual [T, H], q [T, Hq, D], k, v [T, Hkv, D]) of layer 0."""
         m = self.model
         res = m.embed_tokens(input_ids)  # residual stream [T, H]
-        norm1 = m.layers[0].input_layernorm
-        x, _ = rms_norm(res, norm1.weight, norm1.eps)
+        layer = m.layers[0]
+        x, _ = _norm_into(layer.self_attn.qkv_proj, res, layer.input_layernorm)
         q, k, v = self._qkv(0, x, positions)
         return res, q, k, v
 
     def attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Layer i's paged attention (writes k, v into the pool) -> o [T, Hq, D]."""
-        a = self.model.layers[i].self_attn
-        return a.attn_backend.forward(q, k, v, a.k_cache, a.v_cache, a.scale)
+        return self.model.layers[i].self_attn.attend(q, k, v)
 
     def stage_between(self, i: int, o: torch.Tensor, res: torch.Tensor, positions: torch.Tensor):
         """Layer i after its attention, then layer i+1 up to its attention -> (res, q, k, v)."""
         delta, res = self._post_attention(i, o, res)
-        norm1 = self.model.layers[i + 1].input_layernorm
-        x, res = rms_norm(delta, norm1.weight, norm1.eps, residual=res)
+        layer = self.model.layers[i + 1]
+        x, res = _norm_into(layer.self_attn.qkv_proj, delta, layer.input_layernorm, res)
         q, k, v = self._qkv(i + 1, x, positions)
         return res, q, k, v
 
@@ -510,10 +630,10 @@ class LlamaForCausalLM(nn.Module):
         h, _ = rms_norm(delta, m.norm.weight, m.norm.eps, residual=res)
         return h
 
-    def _qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, i: int, x, positions: torch.Tensor):
         a = self.model.layers[i].self_attn
-        t = x.shape[0]
         qkv = a.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        t = qkv.shape[0]
         q = qkv[:, : a.q_size].view(t, a.num_heads, a.head_dim)
         k = qkv[:, a.q_size: a.q_size + a.kv_size].view(t, a.num_kv_heads, a.head_dim)
         v = qkv[:, a.q_size + a.kv_size:].view(t, a.num_kv_heads, a.head_dim)
@@ -523,11 +643,14 @@ class LlamaForCausalLM(nn.Module):
     def _post_attention(self, i: int, o: torch.Tensor, res: torch.Tensor):
         """o_proj, residual + RMSNorm, MLP -> (the MLP's output, the residual stream)."""
         layer = self.model.layers[i]
-        a = layer.self_attn
-        norm2 = layer.post_attention_layernorm
-        x, res = rms_norm(a.o_proj(o.reshape(o.shape[0], a.q_size)), norm2.weight, norm2.eps,
-                          residual=res)
-        return layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(x))), res
+        a, mlp = layer.self_attn, layer.mlp
+        x, res = _norm_into(mlp.gate_up_proj, a.o_proj(o.reshape(o.shape[0], a.q_size)),
+                            layer.post_attention_layernorm, res)
+        gu = mlp.gate_up_proj(x)
+        down = mlp.down_proj
+        act = (silu_and_mul_quant(gu, down.input_scale) if isinstance(down, Fp8Linear)
+               else silu_and_mul(gu))
+        return down(act), res
 
     def pack_cpu_weights(self) -> bool:
         """Switches every projection (and the LM head) of a float32 CPU model to the packed

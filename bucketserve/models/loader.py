@@ -16,7 +16,7 @@ import torch
 
 from bucketserve.kernels.attention import AttentionBackend, get_backend
 from bucketserve.models.config import ModelConfig
-from bucketserve.models.llama import LlamaForCausalLM
+from bucketserve.models.llama import LlamaForCausalLM, quantize_state_dict_fp8
 from bucketserve.models.registry import resolve
 from bucketserve.models.tokenizer import Tokenizer
 
@@ -50,8 +50,10 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def load_model(name_or_path: str, device: torch.device | str = "cpu",
                dtype: torch.dtype | str = torch.float32,
-               attn_backend: AttentionBackend | None = None) -> LoadedModel:
-    """Registered name ("smollm2-135m-instruct"), a Hugging Face directory or a .gguf path."""
+               attn_backend: AttentionBackend | None = None,
+               quantization: str = "none") -> LoadedModel:
+    """Registered name ("smollm2-135m-instruct"), a Hugging Face directory or a .gguf path.
+    quantization "fp8": the decoder projections quantized on load (quantize_state_dict_fp8)."""
     dtype = resolve_dtype(dtype)
     device = torch.device(device)
     entry = resolve(name_or_path)
@@ -70,7 +72,7 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
         if not tokenizer.eos_token_ids and config.eos_token_ids:
             tokenizer.eos_token_ids = set(config.eos_token_ids)
     backend = attn_backend or get_backend(device)
-    model = model_from_hf_tensors(config, tensors, device, dtype, backend)
+    model = model_from_hf_tensors(config, tensors, device, dtype, backend, quantization)
     return LoadedModel(model, tokenizer, config, entry.name, config.max_position_embeddings)
 
 
@@ -147,19 +149,25 @@ def fuse_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor],
 
 def model_from_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor],
                           device: torch.device | str, dtype: torch.dtype,
-                          attn_backend: AttentionBackend | None = None) -> LlamaForCausalLM:
-    """Builds the model on the meta device and assigns the (fused) checkpoint tensors."""
-    fused = fuse_hf_tensors(config, dict(tensors), dtype)
-    model = LlamaForCausalLM(config, attn_backend, device="meta", dtype=dtype)
-    model.load_state_dict({k: v.to(device) for k, v in fused.items()}, strict=True, assign=True)
+                          attn_backend: AttentionBackend | None = None,
+                          quantization: str = "none") -> LlamaForCausalLM:
+    """Builds the model on the meta device and assigns the (fused) checkpoint tensors;
+    quantization "fp8" quantizes the projections on `device` first."""
+    fused = {k: v.to(device) for k, v in fuse_hf_tensors(config, dict(tensors), dtype).items()}
+    if quantization == "fp8":
+        fused = quantize_state_dict_fp8(fused)
+    model = LlamaForCausalLM(config, attn_backend, device="meta", dtype=dtype,
+                             quantization=quantization)
+    model.load_state_dict(fused, strict=True, assign=True)
     return _finish(model)
 
 
 def build_dummy_model(config: ModelConfig, device: torch.device | str = "cpu",
                       dtype: torch.dtype | str = torch.float32,
                       attn_backend: AttentionBackend | None = None,
-                      seed: int = 0) -> LlamaForCausalLM:
-    """Random weights (normal, std 0.02; norms 1) allocated directly in `dtype` on `device`."""
+                      seed: int = 0, quantization: str = "none") -> LlamaForCausalLM:
+    """Random weights (normal, std 0.02; norms 1) allocated directly in `dtype` on `device`;
+    quantization "fp8": those weights, then quantized (quantize_state_dict_fp8)."""
     dtype = resolve_dtype(dtype)
     model = LlamaForCausalLM(config, attn_backend or get_backend(device), device=device,
                              dtype=dtype)
@@ -172,6 +180,13 @@ def build_dummy_model(config: ModelConfig, device: torch.device | str = "cpu",
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+    if quantization != "none":
+        state = quantize_state_dict_fp8(model.state_dict())
+        backend = model.attn_backend
+        del model
+        model = LlamaForCausalLM(config, backend, device="meta", dtype=dtype,
+                                 quantization=quantization)
+        model.load_state_dict(state, strict=True, assign=True)
     return _finish(model)
 
 

@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     s.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weights and KV cache dtype; auto = float32 on cpu, bfloat16 on cuda")
+    s.add_argument("--quantization", choices=("none", "fp8"), default=None,
+                   help="decoder projections in FP8 (W8A8; GPUs of compute capability >= 8.9); "
+                        "default: the buckets file's model.quantization (none)")
+    s.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default=None,
+                   help="KV pool element type; auto = --dtype; default: the buckets file's "
+                        "kv_cache.dtype (auto)")
     s.add_argument("--embedding-dtype", choices=DTYPES, default=None,
                    help="embedding encoder dtype; default: --dtype, where auto = float32 on cpu, "
                         "float16 on cuda")
@@ -102,6 +108,20 @@ def _torch_dtype(name: str, device: str):
     return getattr(torch, name)
 
 
+def check_quantization(args: argparse.Namespace) -> None:
+    """FP8 (--quantization / --kv-cache-dtype, or the buckets file's keys) on the CPU is
+    refused here, before a process starts (a one-line ValueError); on a GPU the core process
+    checks the device's compute capability (kernels/quant.resolve_quant_plan)."""
+    if args.device == "cuda":
+        return
+    from bucketserve.buckets import load_buckets
+    from bucketserve.kernels.quant import resolve_quant_plan
+
+    b = load_buckets(args.buckets)
+    resolve_quant_plan(args.device, args.quantization or b.quantization,
+                       args.kv_cache_dtype or b.kv_cache_dtype)
+
+
 def load_engine(args: argparse.Namespace):
     """The engine core (its own process unless --engine-in-process), loaded and warmed up,
     and the buckets config; returns a started-not-yet AsyncEngine."""
@@ -110,13 +130,16 @@ def load_engine(args: argparse.Namespace):
     from bucketserve.engine.core import build_engine
 
     load_buckets(args.buckets)  # a bad file fails here, before a process is started
+    check_quantization(args)
     if args.engine_in_process:
         engine = AsyncEngine.in_process(build_engine(args.model, args.device, args.dtype,
-                                                     args.buckets, args.nvtx))
+                                                     args.buckets, args.nvtx, args.quantization,
+                                                     args.kv_cache_dtype))
     else:
         t0 = time.perf_counter()
         engine = AsyncEngine.spawn(args.model, args.device, args.dtype, args.buckets,
-                                   args.log_level, args.nvtx)
+                                   args.log_level, args.nvtx, args.quantization,
+                                   args.kv_cache_dtype)
         log.info("engine core ready in process %d after %.1f s", engine.core.pid,
                  time.perf_counter() - t0)
     return engine, load_buckets(args.buckets, max_model_len=engine.max_model_len)

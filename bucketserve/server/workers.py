@@ -66,6 +66,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def serve_workers(args: argparse.Namespace) -> int:
     from bucketserve.buckets import ConfigError, load_buckets
     from bucketserve.engine.core_client import spawn_core
+    from bucketserve.server.cli import check_quantization
 
     n = args.api_workers
     if args.engine_in_process:
@@ -74,6 +75,7 @@ def serve_workers(args: argparse.Namespace) -> int:
         return 2
     try:
         load_buckets(args.buckets)  # a bad file fails here, before a process is started
+        check_quantization(args)
         listening_socket(args.host, args.port).close()  # the port is ours to share
     except (ConfigError, FileNotFoundError, ValueError, OSError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
@@ -82,7 +84,7 @@ def serve_workers(args: argparse.Namespace) -> int:
     metrics_dir = os.path.join(directory, "metrics")
     os.mkdir(metrics_dir)
     core = spawn_core(args.model, args.device, args.dtype, args.buckets, args.log_level,
-                      args.nvtx, directory, n)
+                      args.nvtx, directory, n, args.quantization, args.kv_cache_dtype)
     log.info("engine core started in process %d; %d API workers", core.pid, n)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers
     ctx = multiprocessing.get_context("spawn")

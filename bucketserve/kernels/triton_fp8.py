@@ -1,0 +1,137 @@
+"""Triton kernels that quantize activations to FP8 (float8_e4m3fn) per token, fused into the op
+that produces them so that the bf16 activation never goes back to memory (CUDA only; the torch
+versions and the dispatch are in kernels/fp8_ops.py).
+
+Each program takes one row (token): it computes the row in float32, rounds it to the model
+dtype (so the result is bit for bit the quantization of what the unfused op would have stored),
+then either takes the row's scale max|row| / 448 (dynamic) or the layer's static input scale,
+and stores row / scale in FP8 plus the scale. Divisions are correctly rounded (div_rn), as
+torch's are, so the torch versions are exact references.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bucketserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
+_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
+_MIN_SCALE: tl.constexpr = tl.constexpr(MIN_SCALE)
+
+
+@triton.jit
+def _store_quantized(v, row, cols, mask, q_ptr, s_ptr, static_ptr, stride_q,
+                     STATIC: tl.constexpr):
+    # v: the row in float32 (already rounded to the model dtype); padding lanes are 0
+    if STATIC:
+        s = tl.load(static_ptr).to(tl.float32)
+    else:
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), 0), _MAX), _MIN_SCALE)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -_MAX), _MAX)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, s)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, n_cols,
+                       STATIC: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    v = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    _store_quantized(v, row, cols, mask, q_ptr, s_ptr, static_ptr, stride_q, STATIC)
+
+
+@triton.jit
+def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, static_ptr,
+                           stride_x, stride_r, stride_q, stride_ro, n_cols, eps,
+                           HAS_RESIDUAL: tl.constexpr, STATIC: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    # triton_fused._rms_norm_kernel's arithmetic, then the quantization of its output row
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n_cols
+    y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    v = (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype).to(tl.float32)
+    _store_quantized(v, row, cols, mask, q_ptr, s_ptr, static_ptr, stride_q, STATIC)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, n_cols,
+                           STATIC: tl.constexpr, BLOCK: tl.constexpr):
+    # x [T, 2I] = [gate | up] -> quantized silu(gate) * up, one program per row
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    v = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+    _store_quantized(v, row, cols, mask, q_ptr, s_ptr, static_ptr, stride_q, STATIC)
+
+
+def _outputs(t: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty((t, n), dtype=FP8_DTYPE, device=device),
+            torch.empty((t, 1), dtype=torch.float32, device=device))
+
+
+def _launch_args(n: int, static_scale: torch.Tensor | None) -> dict:
+    block = triton.next_power_of_2(n)
+    return {"STATIC": static_scale is not None, "BLOCK": block,
+            "num_warps": min(16, max(1, block // 256))}
+
+
+def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, N] -> (q [T, N] fp8, scale [T, 1] float32)."""
+    t, n = x.shape
+    q, s = _outputs(t, n, x.device)
+    if t:
+        assert x.stride(1) == 1
+        _quant_rows_kernel[(t,)](x, q, s, static_scale if static_scale is not None else s,
+                                 x.stride(0), q.stride(0), n, **_launch_args(n, static_scale))
+    return q, s
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None,
+                   static_scale: torch.Tensor | None = None
+                   ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """x (+ residual) [T, H] -> ((q, scale) of the normed rows, x + residual or None)."""
+    t, n = x.shape
+    q, s = _outputs(t, n, x.device)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if t:
+        assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+        r = residual if residual is not None else x
+        ro = res_out if res_out is not None else x
+        _rms_norm_quant_kernel[(t,)](
+            x, r, weight, q, s, ro, static_scale if static_scale is not None else s,
+            x.stride(0), r.stride(0), q.stride(0), ro.stride(0), n, eps,
+            HAS_RESIDUAL=residual is not None, **_launch_args(n, static_scale))
+    return (q, s), res_out
+
+
+def silu_and_mul_quant(x: torch.Tensor, static_scale: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, 2I] = [gate | up] -> (q, scale) of silu(gate) * up."""
+    t, two_i = x.shape
+    n = two_i // 2
+    q, s = _outputs(t, n, x.device)
+    if t:
+        assert x.stride(1) == 1
+        _silu_mul_quant_kernel[(t,)](x, q, s, static_scale if static_scale is not None else s,
+                                     x.stride(0), q.stride(0), n,
+                                     **_launch_args(n, static_scale))
+    return q, s

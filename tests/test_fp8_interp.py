@@ -1,0 +1,127 @@
+"""FP8 Triton kernels under Triton's interpreter on the CPU (tests/triton_interp.py): the paged
+attention kernels reading an FP8 KV pool with per-layer scales (decode with and without
+split-K, prefill, the fixed grid of a captured mixed step), the FP8 K/V write, and the
+per-row activation quantization. The interpreter rounds some float -> FP8 conversions wrongly
+(a carry into the exponent is lost), so the conversions checked here are exact ones; the
+rounding of the compiled kernels is checked against torch on a GPU (tests/test_fp8_gpu.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bucketserve.kernels.attention import (
+    AttentionMetadata,
+    FixedGrid,
+    max_prefill_tiles,
+    prefill_tiles,
+    reference_attention,
+)
+from bucketserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
+
+KS, VS = 0.5, 2.0  # powers of two: value / scale is exact, so the interpreter's cast is too
+
+
+def _interp():
+    from triton_interp import interpreted_triton
+
+    interpreted_triton()
+    from bucketserve.kernels import triton_attention
+
+    return triton_attention
+
+
+def _fp8_values(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(FP8_DTYPE)
+
+
+@pytest.mark.parametrize("fixed_grid", [False, True])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_attention_reads_an_fp8_pool_with_scales(fixed_grid, splits):
+    ta = _interp()
+    if fixed_grid and splits > 1:
+        pytest.skip("a fixed grid decodes without splits")
+    torch.manual_seed(splits)
+    page, hkv, hq, d, max_seqs = 16, 2, 4, 32, 8
+    decodes, prefills = [20, 45], [(5, 9), (40, 0)]  # contexts; (new tokens, cached prefix)
+    lens = decodes + [c + p for c, p in prefills]
+    qlens = [1] * len(decodes) + [c for c, _ in prefills]
+    n, ntok = len(lens), sum(qlens)
+    nb = sum(-(-x // page) for x in lens) + 1
+    kc, vc = _fp8_values(nb, page, hkv, d), _fp8_values(nb, page, hkv, d)
+    tables = torch.zeros(max_seqs, 8, dtype=torch.int32)
+    used = 1
+    for i, x in enumerate(lens):
+        need = -(-x // page)
+        tables[i, :need] = torch.arange(used, used + need)
+        used += need
+    slots = []
+    for i, (x, qn) in enumerate(zip(lens, qlens, strict=True)):
+        slots += [int(tables[i, p // page]) * page + p % page for p in range(x - qn, x)]
+    slots = torch.tensor(slots)
+    # new K/V exactly representable after division by the scales
+    k = _fp8_values(ntok, hkv, d).float() * KS
+    v = _fp8_values(ntok, hkv, d).float() * VS
+    q = torch.randn(ntok, hq, d)
+    qsl = torch.zeros(max_seqs + 1, dtype=torch.int32)
+    qsl[1:n + 1] = torch.tensor(np.cumsum(qlens), dtype=torch.int32)
+    seq_lens = torch.ones(max_seqs, dtype=torch.int32)
+    seq_lens[:n] = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl[:n + 1],
+                             seq_lens=seq_lens[:n], block_tables=tables[:n],
+                             num_decodes=len(decodes), max_query_len=max(qlens),
+                             max_seq_len=max(lens), query_lens_cpu=qlens, seq_lens_cpu=lens)
+    run_meta = meta
+    if fixed_grid:
+        counts = np.full(1 + max_prefill_tiles(ntok, max_seqs), -1, dtype=np.int32)
+        counts[0] = len(decodes)
+        prefill_tiles(qlens, len(decodes), counts[1:])
+        c = torch.from_numpy(counts)
+        fixed = FixedGrid(num_decodes=c[:1], max_decodes=min(ntok, max_seqs), tiles=c[1:])
+        run_meta = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl,
+                                     seq_lens=seq_lens, block_tables=tables,
+                                     num_decodes=fixed.max_decodes, max_query_len=ntok,
+                                     max_seq_len=0, query_lens_cpu=[], seq_lens_cpu=[],
+                                     fixed=fixed)
+    backend = ta.TritonAttentionBackend(decode_splits=splits)
+    kc_want, vc_want = kc.clone(), vc.clone()
+    kc_want.view(-1, hkv, d)[slots] = (k / KS).to(FP8_DTYPE)
+    vc_want.view(-1, hkv, d)[slots] = (v / VS).to(FP8_DTYPE)
+    backend.write_kv(k, v, kc, vc, run_meta, (KS, VS))
+    assert torch.equal(kc.view(torch.uint8), kc_want.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), vc_want.view(torch.uint8))
+    out = backend.attend(q, kc, vc, run_meta, d ** -0.5, (KS, VS))
+    ref = reference_attention(q, kc.float() * KS, vc.float() * VS, meta, d ** -0.5)
+    torch.testing.assert_close(out[:ntok], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_write_saturates_instead_of_overflowing():
+    ta = _interp()
+    k = torch.tensor([[[1000.0, -1000.0, 3.0, 0.0]]])
+    kc = torch.zeros(2, 4, 1, 4, dtype=FP8_DTYPE)
+    vc = torch.zeros_like(kc)
+    ta.write_kv_triton(k, k, kc, vc, torch.tensor([5]), (1.0, 1.0))
+    assert kc[1, 1, 0].float().tolist() == [FP8_MAX, -FP8_MAX, 3.0, 0.0]
+
+
+def test_quantize_rows_kernel_matches_torch():
+    _interp()
+    from bucketserve.kernels import triton_fp8
+    from bucketserve.kernels.fp8_ops import quantize_rows_torch
+
+    torch.manual_seed(0)
+    # rows of FP8 values times powers of two, each row's largest magnitude 448: the dynamic
+    # scale is the power of two and every quotient exact
+    vals = _fp8_values(6, 200).float()
+    vals[:, 7] = FP8_MAX
+    x = vals * torch.tensor([2.0 ** e for e in (-12, -3, 0, 1, 4, 9)])[:, None]
+    x[5] = 0.0  # an all-zero row keeps a finite scale
+    q, s = triton_fp8.quantize_rows(x)
+    q_ref, s_ref = quantize_rows_torch(x)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    static = torch.tensor(2.0)  # row 3's own scale; row 4 (scale 16) saturates
+    q, s = triton_fp8.quantize_rows(x[3:5], static)
+    q_ref, s_ref = quantize_rows_torch(x[3:5], static)
+    assert q.float().abs().max() == FP8_MAX
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
