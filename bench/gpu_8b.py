@@ -72,6 +72,9 @@ MODES = {
     "nopiece": None,  # decode graphs only: prefill and mixed steps eager
     "run512": "[scheduler]\nmax_running = 512\n",  # twice the running set
     "nogemv": '[decode]\ngemv = "off"\n',  # one-row projections by cuBLAS
+    # issue 28: FP8 weights (W8A8, quantized on load), and FP8 weights with an FP8 KV pool
+    "fp8": '[model]\nquantization = "fp8"\n',
+    "fp8kv": '[model]\nquantization = "fp8"\n[kv_cache]\ndtype = "fp8"\n',
     # the GPU defaults before max_running / max_batched_tokens "auto" became 1,024 / 16,384
     # (vLLM's own on this GPU) and the decode graphs went up to 1,024
     "run256": "[scheduler]\nmax_running = 256\nmax_batched_tokens = 8192\n[decode]\n"
@@ -89,23 +92,40 @@ def make_engine(shape: str, budget: str, mode: str, tmp: str) -> LLMEngine:
     cfg = ModelConfig(**gt.SHAPES[shape], max_position_embeddings=gt.MAX_MODEL_LEN,
                       rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
                       eos_token_ids=(2,))
-    model = build_dummy_model(cfg, "cuda", torch.bfloat16, seed=0)
-    loaded = LoadedModel(model, gt.word_tokenizer(cfg.vocab_size), cfg, shape, gt.MAX_MODEL_LEN)
     text = MODES.get(mode) or ""
     # The timed runs repeat the same prompts: with prefix caching on, every run after the first
     # would skip most of its prefill (vLLM runs with APC=0 for the same reason).
     if budget != "auto" and "max_batched_tokens" not in text:
         text += ("" if "[scheduler]" in text else "[scheduler]\n")
         text += f"max_batched_tokens = {int(budget)}\n"
-    text += "[kv_cache]\nprefix_caching = false\n"
+    if "[kv_cache]" in text:
+        text = text.replace("[kv_cache]\n", "[kv_cache]\nprefix_caching = false\n")
+    else:
+        text += "[kv_cache]\nprefix_caching = false\n"
     path = None
     if text:
         path = Path(tmp) / f"buckets_{mode}_{budget}.toml"
         path.write_text(text)
     buckets = load_buckets(str(path) if path else None, max_model_len=gt.MAX_MODEL_LEN)
+    model = build_dummy_model(cfg, "cuda", torch.bfloat16, seed=0,
+                              quantization=buckets.quantization)
+    loaded = LoadedModel(model, gt.word_tokenizer(cfg.vocab_size), cfg, shape, gt.MAX_MODEL_LEN)
     eng = LLMEngine(loaded, buckets, "cuda", piecewise_graphs=mode != "nopiece")
     eng.stats.recent = deque(maxlen=1_000_000)  # every step of the timed runs
     return eng
+
+
+def bound_ms(shape: str, batch: int, context: int, bw_gbs: float, engine: LLMEngine) -> float:
+    """gpu_throughput.bound_ms for the engine's element sizes: its projections' weights (1 byte
+    with FP8), the bf16 LM head / tied embedding, the KV pool's (1 byte with FP8)."""
+    s = gt.SHAPES[shape]
+    h, i, layers, v = s["hidden_size"], s["intermediate_size"], s["num_layers"], s["vocab_size"]
+    q, kv = s["num_heads"] * s["head_dim"], s["num_kv_heads"] * s["head_dim"]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    w_bytes = 1 if engine.quant.weights == "fp8" else 2
+    kv_bytes = engine.runner.kv_cache.element_size()
+    read = w_bytes * layers * per_layer + 2 * v * h + kv_bytes * layers * 2 * kv * context * batch
+    return read / (bw_gbs * 1e9) * 1e3
 
 
 def kinds_since(engine: LLMEngine, n_before: int, snap_before: dict) -> dict:
@@ -493,17 +513,22 @@ def main() -> None:
                     r = run_generate(engine, gt.mixed_workload(vocab, n=n), args.repeats)
                     r.update(model=shape, requests=n, budget=engine.max_batched_tokens, mode=mode,
                              startup_s=startup, cuda_info=engine.cuda_info,
-                             kv_blocks=engine.block_manager.num_usable_blocks)
+                             kv_blocks=engine.block_manager.num_usable_blocks,
+                             kv_tokens=engine.block_manager.num_usable_blocks
+                             * engine.block_manager.block_size,
+                             quant=engine.quant.describe())
                     pw = engine.runner.piecewise
                     if pw is not None and getattr(pw, "cost", None) is not None:
                         r["cost_model"] = pw.cost.describe()
                     emit("runs", r)
                     save()
-                first = budget == args.budgets.split(",")[0] and mode == args.modes.split(",")[0]
+                first = budget == args.budgets.split(",")[0] and (
+                    mode == args.modes.split(",")[0] or mode.startswith("fp8"))
                 if first:
                     for st in gt.step_times(engine, [int(b) for b in args.batches.split(",")],
                                             512, vocab, "cuda"):
-                        st.update(model=shape, bound_ms=gt.bound_ms(shape, st["batch"], 512, bw))
+                        st.update(model=shape, mode=mode, bound_ms=bound_ms(
+                            shape, st["batch"], 512, bw, engine))
                         st["ratio"] = st["step_ms"] / st["bound_ms"]
                         emit("step_times", st)
                     if args.profile:
@@ -541,8 +566,14 @@ def main() -> None:
             print(f"    {k:8s} steps {v['steps']:5d} s {v['seconds']:7.3f} computed {v['computed']:8d}"
                   f" padding {v['padding_share']:6.1%}")
         print("    host", r["host"][len(r["host"]) // 2])
+    base = {r["requests"]: r["out_tok_s"] for r in RES["runs"]
+            if r.get("mode") == "graphs" and "out_tok_s" in r}
+    for r in RES["runs"]:
+        if r.get("mode", "").startswith("fp8") and r["requests"] in base:
+            print(f"{r['mode']} vs bf16 at {r['requests']} requests: "
+                  f"{r['out_tok_s'] / base[r['requests']]:.2f}x; KV pool {r['kv_tokens']} tokens")
     for s in RES["step_times"]:
-        print(f"decode {s['model']} batch {s['batch']}: {s['step_ms']:.2f} ms, byte floor "
+        print(f"decode {s['model']} {s.get('mode')} batch {s['batch']}: {s['step_ms']:.2f} ms, byte floor "
               f"{s['bound_ms']:.2f} ms, {s['ratio']:.2f}x")
     for p in RES["profiles"]:
         print(f"\n{p['label']}: wall {p['wall_ms']:.2f} ms, kernels {p['kernel_ms']:.2f} ms",

@@ -1,0 +1,166 @@
+"""FP8 on a GPU with FP8 tensor cores (compute capability >= 8.9): the fused quantization
+kernels against their torch references, the scaled GEMM against the product of the
+dequantized operands, and the engine with FP8 weights, an FP8 KV pool and both, through
+every compiled shape (decode graphs, whole-step mixed graphs, piecewise graphs), its greedy
+tokens beside the bf16 engine's. Skipped elsewhere."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from bucketserve.buckets import load_buckets
+from bucketserve.engine.llm_engine import LLMEngine
+from bucketserve.engine.sequence import SamplingParams
+from bucketserve.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_per_channel
+from bucketserve.kernels.fp8_ops import (
+    fp8_linear,
+    quantize_rows,
+    quantize_rows_torch,
+    rms_norm_quant,
+    silu_and_mul_quant,
+)
+from bucketserve.kernels.triton_ops import rms_norm_torch, silu_and_mul_torch
+
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU with FP8 tensor cores")]
+
+LENGTHS = [8, 600, 33, 250, 9, 128, 511, 17, 64, 300, 12, 90, 450, 40, 200, 25]
+MAX_TOKENS = [12, 5, 20, 9, 16, 3, 7, 24, 10, 6, 18, 11, 4, 14, 8, 21]
+VOCAB = 1000
+
+
+def _close_quantized(got, want, max_mismatch: float = 0.01) -> None:
+    """Two (q, scale) pairs of the same rows: scales to float32 rounding, and the FP8 codes
+    equal except a few one step apart (the fused kernels' rsqrt / exp differ from torch's in
+    the last bits of the bf16 value before rounding to FP8)."""
+    (q, s), (qr, sr) = got, want
+    torch.testing.assert_close(s, sr, rtol=1e-2, atol=0)
+    deq, ref = q.float() * s, qr.float() * sr
+    assert (q.view(torch.uint8) != qr.view(torch.uint8)).float().mean() <= max_mismatch
+    assert ((deq - ref).abs() <= ref.abs() * 2 ** -3 + sr * 2 ** -8).all()
+
+
+@pytest.mark.parametrize("t, n", [(1, 576), (37, 4096), (300, 1536), (5, 14336)])
+def test_fused_quantization_kernels_match_torch(t, n):
+    gen = torch.Generator(device="cuda").manual_seed(t + n)
+    x = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    res = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.rand(n, device="cuda", dtype=torch.bfloat16, generator=gen) + 0.5
+    q = quantize_rows(x)
+    assert q[0].dtype == FP8_DTYPE and q[1].shape == (t, 1)
+    _close_quantized(q, quantize_rows_torch(x), max_mismatch=0.0)  # same arithmetic: exact
+    static = torch.tensor(0.01, device="cuda")
+    _close_quantized(quantize_rows(x, static), quantize_rows_torch(x, static), 0.0)
+    for residual in (None, res):
+        got, got_res = rms_norm_quant(x, w, 1e-5, residual)
+        y, want_res = rms_norm_torch(x, w, 1e-5, residual)
+        _close_quantized(got, quantize_rows_torch(y))
+        if residual is not None:
+            assert torch.equal(got_res, want_res)
+    gu = torch.randn(t, 2 * n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    _close_quantized(silu_and_mul_quant(gu), quantize_rows_torch(silu_and_mul_torch(gu)))
+    _close_quantized(silu_and_mul_quant(gu, static),
+                     quantize_rows_torch(silu_and_mul_torch(gu), static))
+
+
+@pytest.mark.parametrize("t, n, k", [(1, 6144, 4096), (300, 960, 576), (2048, 576, 1536),
+                                     (17, 28672, 4096)])
+def test_scaled_gemm_matches_dequantized_reference(t, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    wq, ws = quantize_fp8_per_channel(w)
+    xq = quantize_rows(x)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = fp8_linear(xq, wq, ws, bias, torch.bfloat16)
+    assert out.shape == (t, n) and out.dtype == torch.bfloat16
+    ref = (xq[0].float() * xq[1]) @ dequantize_fp8(wq, ws).t() + bias.float()
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    # and FP8's own error against the unquantized product stays at its few percent
+    exact = x.float() @ w.t() + bias.float()
+    assert (out.float() - exact).norm() / exact.norm() < 0.05
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from test_engine_gpu import word_tokenizer
+
+    from bucketserve.models.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_layers=3,
+                      num_heads=4, num_kv_heads=1, head_dim=64, max_position_embeddings=2048,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in LENGTHS]
+    return cfg, word_tokenizer(VOCAB), prompts
+
+
+def run(tiny, tmp_path, quantization: str, kv: str, mixed: str = "full",
+        cuda_graphs: bool = True):
+    from bucketserve.models.loader import LoadedModel, build_dummy_model
+
+    cfg, tok, prompts = tiny
+    # weights larger than the default init so that logits are well separated
+    model = build_dummy_model(cfg, "cuda", torch.bfloat16, seed=1, quantization="none")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(6.0)
+    if quantization == "fp8":
+        from bucketserve.models.llama import LlamaForCausalLM, quantize_state_dict_fp8
+
+        state = quantize_state_dict_fp8(model.state_dict())
+        model = LlamaForCausalLM(cfg, model.attn_backend, device="meta", dtype=torch.bfloat16,
+                                 quantization="fp8")
+        model.load_state_dict(state, strict=True, assign=True)
+        model.init_rope_cache()
+        model.eval()
+    loaded = LoadedModel(model, tok, cfg, "tiny-fp8", 2048)
+    path = tmp_path / "b.toml"
+    path.write_text(f'[model]\nquantization = "{quantization}"\n[kv_cache]\ndtype = "{kv}"\n'
+                    "[scheduler]\nmax_batched_tokens = 256\nmax_running = 16\n"
+                    f'[prefill]\nmixed_graphs = "{mixed}"\n')
+    engine = LLMEngine(loaded, load_buckets(str(path), max_model_len=2048), "cuda",
+                       num_blocks=512, cuda_graphs=cuda_graphs)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+    outs = engine.generate(prompts, params)
+    return [o.token_ids for o in outs], engine
+
+
+def _agreeing_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("quantization, kv, mixed, graphs", [
+    ("fp8", "auto", "full", True), ("none", "fp8", "full", True), ("fp8", "fp8", "full", True),
+    ("fp8", "fp8", "piecewise", True), ("fp8", "fp8", "full", False)])
+def test_fp8_engine_stays_close_to_bf16(tiny, tmp_path, quantization, kv, mixed, graphs):
+    ref, _ = run(tiny, tmp_path, "none", "auto")
+    got, engine = run(tiny, tmp_path, quantization, kv, mixed, graphs)
+    assert engine.quant.weights == quantization and engine.quant.kv_cache == kv
+    assert engine.runner.kv_cache.dtype == (FP8_DTYPE if kv == "fp8" else torch.bfloat16)
+    assert all(len(g) == m for g, m in zip(got, MAX_TOKENS, strict=True))
+    # every sequence starts like bf16 (FP8 moves logits by a few percent; weights here keep
+    # them well apart), and most continue like it to the end
+    prefixes = [_agreeing_prefix(g, r) for g, r in zip(got, ref, strict=True)]
+    assert sum(p >= 1 for p in prefixes) >= 15, prefixes
+    assert sum(p == m for p, m in zip(prefixes, MAX_TOKENS, strict=True)) >= 8, prefixes
+    r = engine.runner
+    if graphs:
+        assert r.num_graph_steps > 0 and r.num_piecewise_steps > 0
+        assert engine.cuda_info["mixed_graphs"] == mixed
+        assert "piecewise_eager_from" in engine.cuda_info  # the cost model measured FP8 steps
+    else:
+        assert r.num_graph_steps == 0 and r.num_piecewise_steps == 0
+
