@@ -45,21 +45,22 @@ CHUNK = 512
 BLOCK = 16
 
 
-def make_engine(model: str, quantization: str, kv: str, tmp: str) -> LLMEngine:
-    loaded = load_model(model, device="cuda", dtype=torch.bfloat16,
+def make_engine(model: str, quantization: str, kv: str, tmp: str,
+                device: str = "cuda") -> LLMEngine:
+    loaded = load_model(model, device=device, dtype=torch.bfloat16,
                         quantization=quantization)
     path = Path(tmp) / f"{quantization}_{kv}.toml"
     path.write_text(f'[model]\nquantization = "{quantization}"\n[kv_cache]\ndtype = "{kv}"\n'
                     f"block_size = {BLOCK}\nprefix_caching = false\n")
     buckets = load_buckets(str(path), max_model_len=loaded.max_model_len)
-    return LLMEngine(loaded, buckets, "cuda", num_blocks=4096)
+    return LLMEngine(loaded, buckets, device, num_blocks=4096)
 
 
 @torch.inference_mode()
 def perplexity(engine: LLMEngine, ids: list[int]) -> dict:
     """Each chunk of CHUNK tokens as one prefill over blocks 1.. of the engine's pool."""
     model = engine.runner.model
-    dev = torch.device("cuda")
+    dev = engine.device
     nll, count = 0.0, 0
     nblk = CHUNK // BLOCK
     table = torch.arange(1, 1 + nblk, dtype=torch.int32, device=dev)[None]
@@ -100,16 +101,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="a registered name or the path of the SmolLM2 GGUF")
+    ap.add_argument("--configs", type=int, default=len(CONFIGS),
+                    help="the first N configurations (1: bf16 only, e.g. a CPU smoke run)")
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    res: dict = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "none"
+    res: dict = {"env": {"torch": torch.__version__, "gpu": gpu,
                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                          "text": str(TEXT.relative_to(ROOT)), "chunk": CHUNK,
                          "max_tokens": args.max_tokens}, "configs": []}
     tmp = tempfile.mkdtemp()
     ref_tokens = None
     ids = prompts = None
-    for label, quantization, kv in CONFIGS:
-        engine = make_engine(args.model, quantization, kv, tmp)
+    for label, quantization, kv in CONFIGS[:args.configs]:
+        engine = make_engine(args.model, quantization, kv, tmp, args.device)
         if ids is None:
             ids = engine.tokenizer.encode(TEXT.read_text())
             prompts = prompts_from(ids)
@@ -132,7 +137,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "leading_agreement"}), flush=True)
         del engine
         gc.collect()
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "fp8_accuracy.json").write_text(json.dumps(res, indent=1))
 
