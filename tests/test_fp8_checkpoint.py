@@ -53,11 +53,13 @@ def fused_reference(sd: dict[str, torch.Tensor], layer: int, fused: str) -> torc
     return torch.cat([sd[p + part + ".weight"] for part in FUSED[fused]])
 
 
-def save_compressed_tensors(path: Path, hf, static_inputs: bool = False) -> None:
-    """Quantizes `hf` (in place) to FP8 per output channel with compressed-tensors and saves it
-    the way llmcompressor does: apply_quantization_config, scales by min-max (what
-    llmcompressor's default observer computes), ModelCompressor compress + save + update_config.
-    Static inputs get input_scale = 0.01 * (1 + module index)."""
+def save_compressed_tensors(path: Path, hf, static_inputs: bool = False,
+                            strategy: str = "channel") -> None:
+    """Quantizes `hf` (in place) to FP8 with compressed-tensors (weight scales per output
+    channel, per tensor or per 128 x 128 block) and saves it the way llmcompressor does:
+    apply_quantization_config, scales by min-max (what llmcompressor's default observer
+    computes), ModelCompressor compress + save + update_config. Static inputs get
+    input_scale = 0.01 * (1 + module index)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -67,8 +69,9 @@ def save_compressed_tensors(path: Path, hf, static_inputs: bool = False) -> None
     )
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
-    weights = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True,
-                               dynamic=False)
+    weights = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True,
+                               dynamic=False,
+                               block_structure=[128, 128] if strategy == "block" else None)
     inputs = QuantizationArgs(num_bits=8, type="float", symmetric=True,
                               strategy="tensor" if static_inputs else "token",
                               dynamic=not static_inputs)
@@ -79,8 +82,13 @@ def save_compressed_tensors(path: Path, hf, static_inputs: bool = False) -> None
         for i, (_, mod) in enumerate(hf.named_modules()):
             if hasattr(mod, "weight_scale"):
                 w = mod.weight
-                scale, _ = calculate_qparams(w.amin(dim=1, keepdim=True),
-                                             w.amax(dim=1, keepdim=True), weights)
+                if strategy == "tensor":
+                    w = w.reshape(1, -1)
+                elif strategy == "block":  # [rows/128, 128, cols/128, 128] -> per block
+                    w = w.unflatten(0, (-1, 128)).unflatten(2, (-1, 128)).transpose(1, 2)
+                    w = w.flatten(2)
+                scale, _ = calculate_qparams(w.amin(dim=-1), w.amax(dim=-1), weights)
+                scale = scale.reshape(mod.weight_scale.shape)
                 mod.weight_scale.copy_(scale)
             if hasattr(mod, "input_scale"):
                 mod.input_scale.fill_(0.01 * (1 + i))
@@ -148,6 +156,31 @@ def test_compressed_tensors_equals_quantizing_on_load(ct_dtype, tmp_path):
                 tol = 2 ** -3 * w.float().abs() + 2 ** -9 * s_ref[:, None] * 1.01
                 assert (diff <= tol).all()
                 assert (bits(q) != bits(q_ref)).float().mean() < 0.1
+
+
+def test_compressed_tensors_tensor_and_block_strategies(tmp_path):
+    """compressed-tensors per-tensor scales are expanded to one per output row; its 128 x 128
+    block scales (block_structure) are kept as blocks when every fused part fills whole row
+    blocks. Quantized from float32, so both equal the reference quantization exactly."""
+    for strategy in ("tensor", "block"):
+        hf = tiny_hf(hidden=256, heads=4, kv_heads=2, inter=384, layers=1, dtype=torch.float32)
+        ref = hf_weights(hf)
+        save_compressed_tensors(tmp_path / strategy, hf, strategy=strategy)
+        config, fused = load_contract(tmp_path / strategy)
+        assert config.fp8_weight_block == ((128, 128) if strategy == "block" else None)
+        for name in FUSED:
+            key = "model.layers.0." + name
+            parts = [ref["model.layers.0." + x + ".weight"] for x in FUSED[name]]
+            if strategy == "block":
+                quantized = [block_quantize(w, (128, 128)) for w in parts]
+            else:
+                quantized = []
+                for w in parts:
+                    scale = w.abs().max() / FP8_MAX
+                    quantized.append(((w / scale).to(FP8_DTYPE), scale.expand(w.shape[0])))
+            assert torch.equal(fused[key + ".weight_scale"], torch.cat([s for _, s in quantized]))
+            assert torch.equal(bits(fused[key + ".weight"]),
+                               bits(torch.cat([q for q, _ in quantized])))
 
 
 def test_static_input_scales_and_kv_scales(tmp_path):
@@ -316,6 +349,11 @@ def _ct(weights: dict | None = None, inputs: dict | None = None, **top) -> dict:
             "config_groups": {"group_0": group}, **top}
 
 
+_CT_MIXED = _ct()
+_CT_MIXED["config_groups"]["group_1"] = _ct(inputs={"num_bits": 8, "type": "float",
+                                                    "strategy": "tensor"})["config_groups"]["group_0"]
+
+
 @pytest.mark.parametrize("qc, match", [
     (_CT_INT4, "format 'pack-quantized'"),
     (_ct({"type": "int"}), "type 'int' with 8 bits"),
@@ -327,6 +365,9 @@ def _ct(weights: dict | None = None, inputs: dict | None = None, **top) -> dict:
     (_ct(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "attn_head"}),
      "kv_cache_scheme strategy 'attn_head'"),
     (_ct(quantization_status="frozen"), "not stored in FP8"),
+    (_ct(transform_config={"config_groups": {"u": {"type": "hadamard"}}}), "transform_config"),
+    (_ct(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity format"),
+    (_CT_MIXED, "mix activation schemes"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2'"),
     ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
 ])
@@ -358,4 +399,10 @@ def test_unsupported_tensors_are_refused(tmp_path):
     save_plain_fp8(tmp_path, tiny_hf(layers=1), {"activation_scheme": "static"})
     edit_checkpoint(tmp_path, drop=(p + "mlp.up_proj.input_scale",))
     with pytest.raises(UnsupportedModelError, match="up_proj.input_scale is missing"):
+        read_hf_dir(tmp_path)
+
+    save_plain_fp8(tmp_path, tiny_hf(layers=2), {"activation_scheme": "dynamic"})
+    edit_checkpoint(tmp_path, tensors_update={p + "self_attn.k_scale": torch.tensor(1.0),
+                                              p + "self_attn.v_scale": torch.tensor(1.0)})
+    with pytest.raises(UnsupportedModelError, match="but not model.layers.1.self_attn.k_scale"):
         read_hf_dir(tmp_path)
