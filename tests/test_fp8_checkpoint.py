@@ -333,6 +333,25 @@ def test_fp8_per_tensor_static(tmp_path):
             stored[p + x + ".input_scale"].item() for x in parts)
 
 
+@pytest.mark.parametrize("k_name, v_name", [
+    ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),  # AutoFP8
+    ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),  # ModelOpt
+    ("self_attn.kv_scale", None),  # deprecated: one scale for both
+])
+def test_kv_scale_spellings(k_name, v_name, tmp_path):
+    save_plain_fp8(tmp_path, tiny_hf(layers=1), {"activation_scheme": "dynamic"})
+    p = "model.layers.0."
+    scales = {p + k_name: torch.tensor([0.25], dtype=torch.bfloat16)}
+    if v_name:
+        scales[p + v_name] = torch.tensor(0.5)
+    edit_checkpoint(tmp_path, tensors_update=scales)
+    config, fused = load_contract(tmp_path)
+    assert config.fp8_kv_scales
+    assert fused[p + "self_attn.k_scale"].dtype == torch.float32
+    assert fused[p + "self_attn.k_scale"].item() == 0.25
+    assert fused[p + "self_attn.v_scale"].item() == (0.5 if v_name else 0.25)
+
+
 # ---- what is refused ----------------------------------------------------------------------
 
 _CT_INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized",

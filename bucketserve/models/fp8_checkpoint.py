@@ -39,10 +39,13 @@ log = logging.getLogger(__name__)
 
 _CT_FORMATS = ("float-quantized", "naive-quantized")
 _CT_WEIGHT_STRATEGIES = ("channel", "tensor", "block")
-# Older writers (AutoFP8, early llmcompressor) store the KV scales as the k/v projections'
-# output scales.
-_KV_ALIASES = {"self_attn.k_proj.output_scale": "self_attn.k_scale",
-               "self_attn.v_proj.output_scale": "self_attn.v_scale"}
+# Other spellings of the KV scales: the k/v projections' output scales (AutoFP8, early
+# llmcompressor), ModelOpt's names, and one deprecated kv_scale for both.
+_KV_ALIASES = {"self_attn.k_proj.output_scale": ("self_attn.k_scale",),
+               "self_attn.v_proj.output_scale": ("self_attn.v_scale",),
+               "self_attn.k_proj.k_scale": ("self_attn.k_scale",),
+               "self_attn.v_proj.v_scale": ("self_attn.v_scale",),
+               "self_attn.kv_scale": ("self_attn.k_scale", "self_attn.v_scale")}
 
 
 @dataclass(frozen=True)
@@ -173,9 +176,11 @@ def apply_fp8_checkpoint(config: ModelConfig, qc: dict[str, Any],
     returns `config` with the FP8 fields set. `linears`: this package's projection names -> the
     HF prefixes fused into each (loader.linear_parts)."""
     fmt = parse_quantization_config(qc)
-    for old, new in _KV_ALIASES.items():
+    for old, names in _KV_ALIASES.items():
         for key in [k for k in tensors if k.endswith(old)]:
-            tensors[key.removesuffix(old) + new] = tensors.pop(key)
+            scale = tensors.pop(key)
+            for new in names:
+                tensors[key.removesuffix(old) + new] = scale
     for key in [k for k in tensors if k.endswith(".weight_scale_inv")]:
         tensors[key.removesuffix("_inv")] = tensors.pop(key)
 
