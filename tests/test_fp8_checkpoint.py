@@ -54,7 +54,8 @@ def fused_reference(sd: dict[str, torch.Tensor], layer: int, fused: str) -> torc
 
 
 def save_compressed_tensors(path: Path, hf, static_inputs: bool = False,
-                            strategy: str = "channel") -> None:
+                            strategy: str = "channel", ignore: tuple[str, ...] = ("lm_head",)
+                            ) -> None:
     """Quantizes `hf` (in place) to FP8 with compressed-tensors (weight scales per output
     channel, per tensor or per 128 x 128 block) and saves it the way llmcompressor does:
     apply_quantization_config, scales by min-max (what llmcompressor's default observer
@@ -77,7 +78,7 @@ def save_compressed_tensors(path: Path, hf, static_inputs: bool = False,
                               dynamic=not static_inputs)
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
     apply_quantization_config(hf, QuantizationConfig(config_groups={"group_0": scheme},
-                                                     ignore=["lm_head"]))
+                                                     ignore=list(ignore)))
     with torch.no_grad():
         for i, (_, mod) in enumerate(hf.named_modules()):
             if hasattr(mod, "weight_scale"):
@@ -133,8 +134,7 @@ def test_compressed_tensors_equals_quantizing_on_load(ct_dtype, tmp_path):
     save_compressed_tensors(tmp_path, hf.to(ct_dtype))
     config, fused = load_contract(tmp_path)
     assert (config.quantization, config.fp8_weight_block, config.fp8_activation_scheme,
-            config.fp8_ignored, config.fp8_kv_scales) == ("fp8", None, "dynamic", ("lm_head",),
-                                                          False)
+            config.fp8_ignored, config.fp8_kv_scales) == ("fp8", None, "dynamic", (), False)
     assert fused["lm_head.weight"].dtype == torch.bfloat16
     assert torch.equal(fused["lm_head.weight"], ref["lm_head.weight"])
     for layer in range(config.num_layers):
@@ -181,6 +181,23 @@ def test_compressed_tensors_tensor_and_block_strategies(tmp_path):
             assert torch.equal(fused[key + ".weight_scale"], torch.cat([s for _, s in quantized]))
             assert torch.equal(bits(fused[key + ".weight"]),
                                bits(torch.cat([q for q, _ in quantized])))
+
+
+def test_fp8_lm_head_is_dequantized_and_ignored_projections_listed(tmp_path):
+    """The LM head stays in the model dtype: stored in FP8, it is dequantized on load. A decoder
+    projection the checkpoint keeps in float (here every down_proj) is named in fp8_ignored."""
+    hf = tiny_hf()
+    save_compressed_tensors(tmp_path, hf, ignore=("re:.*down_proj",))
+    stored = load_file(tmp_path / "model.safetensors")
+    assert stored["lm_head.weight"].dtype == FP8_DTYPE
+    config, fused = load_contract(tmp_path)
+    assert config.fp8_ignored == ("model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj")
+    assert "lm_head.weight_scale" not in fused
+    want = dequantize_fp8(stored["lm_head.weight"], stored["lm_head.weight_scale"])
+    assert torch.equal(fused["lm_head.weight"], want.bfloat16())
+    down = "model.layers.1.mlp.down_proj.weight"
+    assert fused[down].dtype == torch.bfloat16 and torch.equal(fused[down], stored[down])
+    assert fused["model.layers.1.mlp.gate_up_proj.weight"].dtype == FP8_DTYPE
 
 
 def test_static_input_scales_and_kv_scales(tmp_path):
@@ -285,7 +302,7 @@ def test_fp8_block_wise_keeps_aligned_blocks(tmp_path):
     stored = save_plain_fp8(tmp_path, hf, {"activation_scheme": "dynamic",
                                            "weight_block_size": [128, 128]})
     config, fused = load_contract(tmp_path)
-    assert config.fp8_weight_block == (128, 128) and config.fp8_ignored == ("lm_head",)
+    assert config.fp8_weight_block == (128, 128) and config.fp8_ignored == ()
     p = "model.layers.0."
     for name, parts in FUSED.items():
         q, s = fused[p + name + ".weight"], fused[p + name + ".weight_scale"]

@@ -47,13 +47,14 @@ class ModelConfig:
     o_proj_bias: bool = False  # HF Llama with attention_bias=True biases o_proj too (Qwen2 does not)
     mlp_bias: bool = False
     # Pre-quantized FP8 checkpoints (models/fp8_checkpoint.py fills these in; None = float
-    # weights). "fp8": every projection not named in fp8_ignored holds a float8_e4m3fn weight
-    # with a float32 weight_scale, [out] per channel, or [ceil(out/b0), ceil(in/b1)] when
-    # fp8_weight_block = (b0, b1).
+    # weights). "fp8": every decoder projection (qkv_proj, o_proj, gate_up_proj, down_proj) not
+    # named in fp8_ignored holds a float8_e4m3fn weight with a float32 weight_scale, [out] per
+    # channel, or [ceil(out/b0), ceil(in/b1)] when fp8_weight_block = (b0, b1). The LM head and
+    # embeddings are never FP8.
     quantization: str | None = None
     fp8_weight_block: tuple[int, int] | None = None
     fp8_activation_scheme: str = "dynamic"  # "static": each FP8 projection has an input_scale
-    fp8_ignored: tuple[str, ...] = ()  # this package's module names kept in the float dtype
+    fp8_ignored: tuple[str, ...] = ()  # decoder projections the checkpoint stores in float
     fp8_kv_scales: bool = False  # each layer's self_attn has k_scale / v_scale
 
     def __post_init__(self) -> None:

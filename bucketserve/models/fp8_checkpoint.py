@@ -20,6 +20,8 @@ Hugging Face prefix P (before q/k/v and gate/up are fused):
 
 Which projections are quantized is read from the tensors (a weight with a scale), not from the
 config's target patterns, so every target syntax and `ignore` list agrees with what is stored.
+The LM head and the embeddings are never FP8 here: an FP8 lm_head is dequantized on load (its
+logits decide every sampled token).
 """
 
 from __future__ import annotations
@@ -173,9 +175,11 @@ def apply_fp8_checkpoint(config: ModelConfig, qc: dict[str, Any],
                          tensors: dict[str, torch.Tensor],
                          linears: dict[str, tuple[str, ...]]) -> ModelConfig:
     """Rewrites `tensors` (HF names, in place) into the contract of the module docstring and
-    returns `config` with the FP8 fields set. `linears`: this package's projection names -> the
-    HF prefixes fused into each (loader.linear_parts)."""
+    returns `config` with the FP8 fields set. `linears`: this package's decoder projections ->
+    the HF prefixes fused into each (loader.linear_parts)."""
     fmt = parse_quantization_config(qc)
+    if "lm_head.weight_scale" in tensors or "lm_head.weight_scale_inv" in tensors:
+        _dequantize_lm_head(tensors, fmt)
     for old, names in _KV_ALIASES.items():
         for key in [k for k in tensors if k.endswith(old)]:
             scale = tensors.pop(key)
@@ -257,6 +261,19 @@ def _normalize_linear(tensors: dict[str, torch.Tensor], p: str, fmt: Fp8Format) 
                 "per-tensor input_scale for every quantized projection")
         tensors[p + ".input_scale"] = input_scale.float().reshape(())
     return layout
+
+
+def _dequantize_lm_head(tensors: dict[str, torch.Tensor], fmt: Fp8Format) -> None:
+    """An FP8 lm_head -> its float32 weight (the loader casts it to the model dtype)."""
+    scale = tensors.pop("lm_head.weight_scale", None)
+    if scale is None:
+        scale = tensors.pop("lm_head.weight_scale_inv")
+    weight = tensors["lm_head.weight"]
+    if weight.dtype != FP8_DTYPE:
+        raise UnsupportedModelError(f"lm_head.weight is {weight.dtype} with a weight_scale; "
+                                    "FP8 checkpoints must store float8_e4m3fn weights")
+    tensors["lm_head.weight"] = dequantize_fp8(weight, scale, fmt.block or (128, 128))
+    tensors.pop("lm_head.input_scale", None)
 
 
 def _rows_aligned(tensors: dict[str, torch.Tensor], parts: tuple[str, ...], rows: int) -> bool:

@@ -111,7 +111,8 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def linear_parts(config: ModelConfig) -> dict[str, tuple[str, ...]]:
-    """This package's projections -> the HF projections concatenated (along rows) into each."""
+    """This package's decoder projections -> the HF projections concatenated (along rows) into
+    each."""
     parts: dict[str, tuple[str, ...]] = {}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -119,8 +120,6 @@ def linear_parts(config: ModelConfig) -> dict[str, tuple[str, ...]]:
         parts[p + "self_attn.o_proj"] = (p + "self_attn.o_proj",)
         parts[p + "mlp.gate_up_proj"] = (p + "mlp.gate_proj", p + "mlp.up_proj")
         parts[p + "mlp.down_proj"] = (p + "mlp.down_proj",)
-    if not config.tie_word_embeddings:
-        parts["lm_head"] = ("lm_head",)
     return parts
 
 
@@ -163,6 +162,8 @@ def fuse_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor],
     out["model.norm.weight"] = take("model.norm.weight")
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    else:
+        out["lm_head.weight"] = take("lm_head.weight")
     if tensors:
         raise ValueError(f"checkpoint has tensors this model does not use: {sorted(tensors)[:5]}")
     return out
