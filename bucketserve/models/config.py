@@ -46,6 +46,16 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     o_proj_bias: bool = False  # HF Llama with attention_bias=True biases o_proj too (Qwen2 does not)
     mlp_bias: bool = False
+    # Pre-quantized FP8 checkpoints (models/fp8_checkpoint.py fills these in; None = float
+    # weights). "fp8": every decoder projection (qkv_proj, o_proj, gate_up_proj, down_proj) not
+    # named in fp8_ignored holds a float8_e4m3fn weight with a float32 weight_scale, [out] per
+    # channel, or [ceil(out/b0), ceil(in/b1)] when fp8_weight_block = (b0, b1). The LM head and
+    # embeddings are never FP8.
+    quantization: str | None = None
+    fp8_weight_block: tuple[int, int] | None = None
+    fp8_activation_scheme: str = "dynamic"  # "static": each FP8 projection has an input_scale
+    fp8_ignored: tuple[str, ...] = ()  # decoder projections the checkpoint stores in float
+    fp8_kv_scales: bool = False  # each layer's self_attn has k_scale / v_scale
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -59,6 +69,13 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"rope scaling type {rope_type!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        if self.quantization not in (None, "fp8"):
+            raise UnsupportedModelError(
+                f"quantization {self.quantization!r} is not supported; supported: fp8")
+        if self.fp8_activation_scheme not in ("dynamic", "static"):
+            raise UnsupportedModelError(
+                f"FP8 activation scheme {self.fp8_activation_scheme!r} is not supported; "
+                "supported: dynamic, static")
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:

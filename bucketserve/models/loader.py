@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from bucketserve.kernels.attention import AttentionBackend, get_backend
+from bucketserve.kernels.fp8 import dequantize_fp8, quantize_fp8_per_channel
 from bucketserve.models.config import ModelConfig
+from bucketserve.models.fp8_checkpoint import apply_fp8_checkpoint, fuse_fp8_linear
 from bucketserve.models.llama import LlamaForCausalLM, quantize_state_dict_fp8
 from bucketserve.models.registry import resolve
 from bucketserve.models.tokenizer import Tokenizer
@@ -84,7 +86,8 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found; the model directory needs config.json")
     with open(cfg_path, encoding="utf-8") as f:
-        config = ModelConfig.from_hf_dict(json.load(f))
+        raw = json.load(f)
+    config = ModelConfig.from_hf_dict(raw)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         with open(index, encoding="utf-8") as f:
@@ -104,12 +107,30 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             for key in f.keys():
                 if key.startswith(("model.", "lm_head.")) and not key.endswith("inv_freq"):
                     tensors[key] = f.get_tensor(key)
+    if raw.get("quantization_config"):
+        config = apply_fp8_checkpoint(config, raw["quantization_config"], tensors,
+                                      linear_parts(config))
     return config, tensors
+
+
+def linear_parts(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """This package's decoder projections -> the HF projections concatenated (along rows) into
+    each."""
+    parts: dict[str, tuple[str, ...]] = {}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        parts[p + "self_attn.qkv_proj"] = tuple(p + f"self_attn.{x}_proj" for x in "qkv")
+        parts[p + "self_attn.o_proj"] = (p + "self_attn.o_proj",)
+        parts[p + "mlp.gate_up_proj"] = (p + "mlp.gate_proj", p + "mlp.up_proj")
+        parts[p + "mlp.down_proj"] = (p + "mlp.down_proj",)
+    return parts
 
 
 def fuse_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor],
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF parameter names -> this package's (q/k/v and gate/up concatenated along rows)."""
+    """HF parameter names -> this package's (q/k/v and gate/up concatenated along rows). FP8
+    projections (config.quantization) keep their float8 weights and float32 scales
+    (fp8_checkpoint.fuse_fp8_linear); everything else is cast to `dtype`."""
     out: dict[str, torch.Tensor] = {}
 
     def take(key: str) -> torch.Tensor:
@@ -117,17 +138,21 @@ def fuse_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor],
             raise ValueError(f"checkpoint is missing tensor {key!r}")
         return tensors.pop(key).to(dtype)
 
+    for name, parts in linear_parts(config).items():
+        if config.quantization == "fp8" and name not in config.fp8_ignored:
+            out.update(fuse_fp8_linear(name, parts, tensors, config.fp8_weight_block))
+        else:
+            weights = [take(p + ".weight") for p in parts]
+            out[name + ".weight"] = weights[0] if len(parts) == 1 else torch.cat(weights)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        out[p + "self_attn.qkv_proj.weight"] = torch.cat(
-            [take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
         if config.attention_bias:
             out[p + "self_attn.qkv_proj.bias"] = torch.cat(
                 [take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-        keys = ["self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
-                "post_attention_layernorm.weight"]
+        keys = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        if config.fp8_kv_scales:  # float32 scalars, kept in float32
+            out[p + "self_attn.k_scale"] = tensors.pop(p + "self_attn.k_scale")
+            out[p + "self_attn.v_scale"] = tensors.pop(p + "self_attn.v_scale")
         if config.o_proj_bias:
             keys.append("self_attn.o_proj.bias")
         if config.mlp_bias:
@@ -154,7 +179,17 @@ def model_from_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor],
     """Builds the model on the meta device and assigns the (fused) checkpoint tensors;
     quantization "fp8" quantizes the projections on `device` first."""
     fused = {k: v.to(device) for k, v in fuse_hf_tensors(config, dict(tensors), dtype).items()}
-    if quantization == "fp8":
+    if config.quantization == "fp8":  # a pre-quantized checkpoint: already in FP8 form
+        if quantization != "fp8":
+            raise ValueError(
+                "this checkpoint is quantized to FP8 (config.json quantization_config); serve "
+                "it with --quantization fp8")
+        if config.fp8_weight_block is not None:  # block scales -> one scale per channel
+            for key in [k for k in fused if k.endswith(".weight_scale") and fused[k].dim() == 2]:
+                wkey = key[: -len("_scale")]
+                w = dequantize_fp8(fused[wkey], fused[key], config.fp8_weight_block)
+                fused[wkey], fused[key] = quantize_fp8_per_channel(w)
+    elif quantization == "fp8":
         fused = quantize_state_dict_fp8(fused)
     model = LlamaForCausalLM(config, attn_backend, device="meta", dtype=dtype,
                              quantization=quantization)
