@@ -37,7 +37,6 @@ from pathlib import Path
 import psutil
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 from embeddings_gpu import corpus, online_round  # noqa: E402
 from frontend_capacity import free_port, machine  # noqa: E402
 
