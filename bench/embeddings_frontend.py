@@ -82,7 +82,7 @@ class Server:
         env = dict(os.environ, PYTHONPATH=f"{stub_dir}:{pythonpath}", HF_HUB_OFFLINE="1",
                    PYTHONUNBUFFERED="1", BUCKETSERVE_FAKE_CORE="0.005", BENCH_STUB_ENCODER="1")
         cmd = [sys.executable, "-c",
-               "import sys; from bucketserve.server.cli import main; sys.exit(main())",
+               "import sys; from bucketserve.bench.hooks import main; sys.exit(main())",
                "serve", "--port", str(self.port), "--buckets", str(buckets),
                "--log-level", "warning", *flags]
         self.log_path = workdir / f"{name}.log"

@@ -138,3 +138,14 @@ def test_every_manifest_entry_exists_and_says_how_it_was_made():
         for key in ("command", "machine", "date", "doc"):
             assert entry[key].strip(), f"{entry['path']}: no {key}"
         assert re.fullmatch(r"\d{4}-\d\d-\d\d", entry["date"]), entry
+
+
+def test_every_environment_variable_is_documented():
+    # every BUCKETSERVE_* name the package, the tests or the benchmarks use
+    used = set()
+    for folder in ("bucketserve", "tests", "bench"):
+        for path in (ROOT / folder).rglob("*.py"):
+            used |= set(re.findall(r"BUCKETSERVE_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert used, "the scan found no variable"
+    assert sorted(v for v in used if f"`{v}" not in operations) == []
