@@ -149,3 +149,37 @@ def test_every_environment_variable_is_documented():
     operations = (ROOT / "docs" / "operations.md").read_text()
     assert used, "the scan found no variable"
     assert sorted(v for v in used if f"`{v}" not in operations) == []
+
+
+# pages other branches add (linked from the README already); checked like any other once there
+PENDING = {"docs/quantization.md", "docs/quantization-checkpoints.md", "docs/frontend.md",
+           "docs/structured-output.md", "docs/ray.md"}
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def prose(path: Path) -> str:
+    return re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+
+
+def test_relative_links_and_anchors_resolve():
+    pages = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for link in re.findall(r"\]\(([^)\s]+)\)", prose(page)):
+            if link.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists():
+                if str(target.relative_to(ROOT)) not in PENDING:
+                    broken.append(f"{page.name}: {link}")
+                continue
+            if anchor and target.suffix == ".md":
+                headings = re.findall(r"^#+ (.*)$", prose(target), flags=re.M)
+                if anchor not in {slug(h) for h in headings}:
+                    broken.append(f"{page.name}: {link}")
+    assert broken == []
