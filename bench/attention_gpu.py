@@ -24,15 +24,12 @@ import itertools
 import json
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bucketserve.kernels import triton_attention as ta  # noqa: E402
 from bucketserve.kernels import triton_ops  # noqa: E402

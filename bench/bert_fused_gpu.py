@@ -23,11 +23,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 

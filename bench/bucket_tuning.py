@@ -279,7 +279,6 @@ def tune_and_run_tuned(a, d, trace, log_default, port, summary) -> None:
         stop(proc)
     os.remove(live)
 
-    sys.path.insert(0, ROOT)
     from bucketserve.bench.replay import compare_gaps, plot_gaps
 
     g1, g2 = gaps(log_default), gaps(log_tuned)

@@ -159,7 +159,7 @@ def run_served(path: str, a: argparse.Namespace, buckets: str, workers: int, tmp
     if profile:
         env["BUCKETSERVE_CORE_PROFILE"] = profile
     log_path = Path(tmp) / f"server_{port}.log"
-    cmd = [sys.executable, "-c", "import sys; from bucketserve.server.cli import main; "
+    cmd = [sys.executable, "-c", "import sys; from bucketserve.bench.hooks import main; "
            "sys.exit(main())", "serve", "--port", str(port), "--buckets", buckets,
            "--model", a.model, "--embedding-model", "none", "--api-workers", str(workers)]
     # cwd: not a checkout (`python -c` / `-m` put the cwd first on sys.path, before PYTHONPATH)

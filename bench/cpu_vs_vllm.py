@@ -455,10 +455,8 @@ def markdown_table(r: dict) -> str:
 def run_hf_static_dir(requests, hf_dir: str, batch_size: int) -> dict:
     """bench/offline_throughput.time_hf_static on the HF directory both systems load."""
     import torch
-    from transformers import AutoModelForCausalLM
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from offline_throughput import time_hf_static
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     return time_hf_static(model, requests, batch_size)

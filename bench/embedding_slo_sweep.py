@@ -54,7 +54,6 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
 
 from bucketserve.bench import runner  # noqa: E402
 from bucketserve.bench import workload as wl  # noqa: E402

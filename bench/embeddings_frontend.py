@@ -37,7 +37,6 @@ from pathlib import Path
 import psutil
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 from embeddings_gpu import corpus, online_round  # noqa: E402
 from frontend_capacity import free_port, machine  # noqa: E402
 
@@ -83,7 +82,7 @@ class Server:
         env = dict(os.environ, PYTHONPATH=f"{stub_dir}:{pythonpath}", HF_HUB_OFFLINE="1",
                    PYTHONUNBUFFERED="1", BUCKETSERVE_FAKE_CORE="0.005", BENCH_STUB_ENCODER="1")
         cmd = [sys.executable, "-c",
-               "import sys; from bucketserve.server.cli import main; sys.exit(main())",
+               "import sys; from bucketserve.bench.hooks import main; sys.exit(main())",
                "serve", "--port", str(self.port), "--buckets", str(buckets),
                "--log-level", "warning", *flags]
         self.log_path = workdir / f"{name}.log"

@@ -103,8 +103,8 @@ def run_ours(texts: list[str], args: argparse.Namespace, out: dict) -> object:
 
     from bucketserve.buckets import load_buckets
     from bucketserve.engine.embedding_batcher import build_batcher, embed_texts
-    from bucketserve.engine.embedding_tokenizer import TokenizerProcesses, unpack
     from bucketserve.models.bert_loader import load_embedding_model
+    from bucketserve.models.embedding_tokenizer import TokenizerProcesses, unpack
 
     loaded = load_embedding_model(str(model_dir()), device="cuda",
                                   dtype=getattr(torch, args.dtype))

@@ -4,7 +4,7 @@ Builds the served batcher (CUDA graphs, shipped [embedding] settings) for all-Mi
 fp16, tokenizes the 20,000-text corpus of bench/embeddings_gpu.py once, then runs
 `batcher.embed(ids)` --runs times with timers around the worker's phases (pop_batch, launch,
 collect, batch_done, record_batch, the whole completion) and prints one JSON line per run.
-CODE=DIR puts another checkout's `bucketserve` first on the path (an older commit as a
+PYTHONPATH=DIR puts another checkout's `bucketserve` first on the path (an older commit as a
 control, e.g. `git archive <commit> bucketserve | tar -x -C DIR`).
 
     EMB_MODEL_DIR=<MiniLM dir> PYTHONPATH=. python3 bench/embeddings_gpu_host_phases.py
@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -43,8 +42,6 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--device", default="cuda", help="cpu: the eager runner (a smoke test)")
     a = ap.parse_args()
-    sys.path.insert(0, os.environ.get("CODE", os.path.dirname(HERE)))
-    sys.path.insert(1, HERE)
     import torch
     from embeddings_gpu import corpus, model_dir
 

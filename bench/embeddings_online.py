@@ -218,7 +218,6 @@ def main() -> None:
         return
 
     load_at_start = os.getloadavg()  # (1, 5, 15 min) before this script's servers start
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from embeddings_offline import make_corpus
 
     from bucketserve.models.bert_loader import load_embedding_model

@@ -67,7 +67,7 @@ class Server:
         env = dict(os.environ, PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
                    BUCKETSERVE_FAKE_CORE=str(step_s))
         cmd = [sys.executable, "-c",
-               "import sys; from bucketserve.server.cli import main; sys.exit(main())",
+               "import sys; from bucketserve.bench.hooks import main; sys.exit(main())",
                "serve", "--port", str(self.port), "--buckets", str(buckets),
                "--embedding-model", "none", "--log-level", "info", *flags]
         self.log_path = workdir / f"{name}.log"

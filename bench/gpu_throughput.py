@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from bucketserve.buckets import load_buckets  # noqa: E402
 from bucketserve.engine.llm_engine import LLMEngine  # noqa: E402

@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from server_launch import start_server  # noqa: E402
+from bucketserve.bench.launch import start_server  # noqa: E402
 
 
 def measure(base_url: str, long_len: int, delay_s: float) -> dict:

@@ -27,9 +27,15 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from loadlib import Tally, make_request, peak_rss_mib, rss_mib, scrape, send, watch_health  # noqa: E402
+from bucketserve.bench.loadlib import (
+    Tally,
+    make_request,
+    peak_rss_mib,
+    rss_mib,
+    scrape,
+    send,
+    watch_health,
+)
 
 OVERLOAD_TOML = "[kv_cache]\ncpu_memory_gib = 0.5\n"
 
@@ -153,7 +159,7 @@ def main() -> None:
     args = ap.parse_args()
     server = None
     if args.base_url is None:
-        from server_launch import start_server
+        from bucketserve.bench.launch import start_server
 
         server = start_server(Path("/tmp/bucketserve-overload"), "overload", OVERLOAD_TOML,
                               "--embedding-model", "all-minilm-l6-v2")

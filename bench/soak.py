@@ -32,9 +32,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from loadlib import Tally, make_request, open_fds, rss_mib, scrape, send  # noqa: E402
+from bucketserve.bench.loadlib import Tally, make_request, open_fds, rss_mib, scrape, send
 
 GAUGES = {"kv_blocks_used": "bucketserve_kv_blocks_used",
           "running": "bucketserve_requests_running",
@@ -161,7 +159,7 @@ def main() -> None:
     warmup = args.warmup if args.warmup is not None else min(300.0, args.duration * 0.1)
     server = None
     if args.base_url is None:
-        from server_launch import start_server
+        from bucketserve.bench.launch import start_server
 
         server = start_server(Path("/tmp/bucketserve-soak"), "soak", SOAK_TOML,
                               "--embedding-model", "all-minilm-l6-v2")

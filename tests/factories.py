@@ -39,5 +39,17 @@ def run_to_end(sched: Scheduler, token: int = 7, max_steps: int = 10_000) -> lis
         batches.append(batch)
         sampled = [token if s.num_computed_tokens + n == s.num_tokens else None
                    for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
-        sched.update(batch, sampled)
+        update(sched, batch, sampled)
     raise AssertionError("scheduler did not finish")
+
+
+def update(sched: Scheduler, batch, sampled: list[int | None]) -> list:
+    """A step run synchronously: `on_launched` then `on_sampled` for each token.
+    `sampled[i]` is the new token of batch.seqs[i] (None when it is still in its prompt).
+    Returns the sequences that finished."""
+    sched.on_launched(batch, [i for i, t in enumerate(sampled) if t is not None])
+    finished = []
+    for seq, token in zip(batch.seqs, sampled, strict=True):
+        if token is not None and sched.on_sampled(seq, token):
+            finished.append(seq)
+    return finished

@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 import pytest
-from server_launch import LiveServer, start_server
 from test_engine_process import EXIT_BOUND_S, LONG, core_pid, gone, wait_until
 
+from bucketserve.bench.launch import LiveServer, start_server
 from bucketserve.engine.core import Router
 from bucketserve.engine.messages import AddRequest, SeqOutput, Shutdown, StepOutputs
 from bucketserve.engine.sequence import SamplingParams

@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -519,11 +518,7 @@ def test_tune_file_takes_the_decode_headroom_limit_from_the_base_file_per_device
 def test_slo_sweep_merge_judges_every_rate_of_every_part(tmp_path):
     # bench/embedding_slo_sweep.py --merge: sweeps of different rates (e.g. 2,000 texts/s in
     # its own command with more rounds) merge into one verdict over all their rates
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    try:
-        import embedding_slo_sweep as sweep
-    finally:
-        sys.path.pop(0)
+    from bench import embedding_slo_sweep as sweep
 
     def run(setting: str, rate: float, thr: float, p99: float) -> dict:
         return {"setting": setting, "rate": rate, "requests": 10, "throughput_inputs_s": thr,

@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 
+from bucketserve.bench.launch import start_server
 from bucketserve.bench.replay import ks_critical, ks_statistic
 from bucketserve.bench.workload import generate, save_trace
 from bucketserve.buckets import load_buckets
-from tests.server_launch import start_server
 
 N = 16
 

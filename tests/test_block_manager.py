@@ -1,4 +1,4 @@
-from factories import make_requests, make_scheduler, run_to_end
+from factories import make_requests, make_scheduler, run_to_end, update
 
 from bucketserve.engine.block_manager import BlockManager
 from bucketserve.engine.sequence import SamplingParams, Sequence
@@ -228,7 +228,7 @@ def test_request_arriving_during_prefill_reuses_only_computed_blocks():
     sched.add(long)
     batch = sched.schedule()
     assert batch.num_new_tokens == [24]
-    sched.update(batch, [None])
+    update(sched, batch, [None])
     late = seq_of(TOKENS)
     sched.add(late)
     batch = sched.schedule()  # long's second chunk (16) and late, from long's 6 computed blocks
@@ -237,7 +237,7 @@ def test_request_arriving_during_prefill_reuses_only_computed_blocks():
     assert late.block_table[:6] == long.block_table[:6]
     # blocks 6.. of long are being written in this very step: late gets its own
     assert set(late.block_table[6:]).isdisjoint(long.block_table)
-    sched.update(batch, [7, None])
+    update(sched, batch, [7, None])
     run_to_end(sched)
     assert sched.blocks.num_used_blocks == 0
 
@@ -249,7 +249,7 @@ def test_abort_and_preemption_release_shared_blocks_to_the_cache():
     a = seq_of(TOKENS[:20])
     sched.add(a)
     batch = sched.schedule()
-    sched.update(batch, [7])  # a's prompt computed: 5 blocks registered, first token sampled
+    update(sched, batch, [7])  # a's prompt computed: 5 blocks registered, first token sampled
     b = seq_of(TOKENS[:20] + [3, 3])
     sched.add(b)
     batch = sched.schedule()  # a decodes, b starts from a's 5 blocks
@@ -257,7 +257,7 @@ def test_abort_and_preemption_release_shared_blocks_to_the_cache():
     shared = a.block_table[:5]
     assert all(bm.ref_counts[x] == 2 for x in shared)
     sched.abort(b.request_id)
-    sched.update(batch, [7, 7])
+    update(sched, batch, [7, 7])
     left = sched.schedule().finished
     assert left == [b] and all(bm.ref_counts[x] == 1 for x in shared)
     sched._preempt(a)  # as under memory pressure: a's blocks go back, stay cached

@@ -154,7 +154,7 @@ def test_whole_chunk_check_takes_the_fast_path_only_when_every_text_would(ours):
 
 
 def test_tokenizer_processes_give_the_same_ids(ours):
-    from bucketserve.engine.embedding_tokenizer import TokenizerProcesses, unpack
+    from bucketserve.models.embedding_tokenizer import TokenizerProcesses, unpack
 
     texts = ASCII_EDGE_CASES + corpus(200, seed=5)
     want = ours.tokenizer.encode_batch(texts)

@@ -11,7 +11,8 @@ import numpy as np
 import openai
 import pytest
 from conftest import minilm_dir
-from server_launch import LiveServer, start_server
+
+from bucketserve.bench.launch import LiveServer, start_server
 
 MIN_COSINE = 0.9999
 API_KEY = "emb-key"

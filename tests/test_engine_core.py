@@ -328,8 +328,7 @@ def test_errors_cross_the_split_and_text_failures_end_the_request_in_the_front_e
 
     async def scenario() -> None:
         core = FakeCore()
-        ae = AsyncEngine(core)
-        ae._text = TextProcessor(ByteTokenizer(), FaultPlan.parse("detok:7"))
+        ae = AsyncEngine(core, FaultPlan.parse("detok:7"))  # the seam: passed in
         ae.start()
         stream = ae.generate([7, 9], SamplingParams(max_tokens=8), "d")
         first = asyncio.ensure_future(anext(stream))

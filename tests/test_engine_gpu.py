@@ -37,9 +37,8 @@ def word_tokenizer(vocab: int):
 def setup():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bucketserve.kernels.attention import get_backend
     from bucketserve.models.config import ModelConfig
-    from bucketserve.models.loader import LoadedModel, model_from_hf_tensors
+    from bucketserve.models.loader import LoadedModel, get_backend, model_from_hf_tensors
 
     torch.manual_seed(0)
     # Llama layout (GQA 4:1, head_dim 64, untied), weights large enough that logits are

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_launch import LiveServer, start_server
+
+from bucketserve.bench.launch import LiveServer, start_server
 
 KV = "[kv_cache]\ncpu_memory_gib = 0.1\n"
 LONG = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 1500,

@@ -7,8 +7,10 @@ import time
 import pytest
 import torch
 
+from bucketserve.bench.hooks import seams_from
 from bucketserve.buckets import load_buckets
-from bucketserve.engine.fake_runner import ENV_VAR, fake_runner_step_s, install
+from bucketserve.engine.fake_runner import install
+from bucketserve.engine.faults import Seams
 from bucketserve.engine.llm_engine import LLMEngine
 from bucketserve.engine.sequence import SamplingParams
 from bucketserve.models import load_model
@@ -58,8 +60,8 @@ def test_fake_runner_step_time_paces_the_steps(engine) -> None:
         engine.runner.step_s = 0.0
 
 
-def test_fake_runner_is_off_unless_asked(monkeypatch) -> None:
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    assert fake_runner_step_s() is None
-    monkeypatch.setenv(ENV_VAR, "0.004")
-    assert fake_runner_step_s() == 0.004
+def test_fake_runner_is_off_unless_asked() -> None:
+    # the production server gets no seams; the test launcher passes the fake runner in
+    assert seams_from({}) == Seams()
+    asked = seams_from({"BUCKETSERVE_FAKE_RUNNER": "0.004"}).prepare_engine
+    assert asked.func is install and asked.keywords == {"step_s": 0.004}

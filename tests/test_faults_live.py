@@ -15,7 +15,8 @@ import subprocess
 
 import httpx
 import pytest
-from server_launch import LiveServer, start_server
+
+from bucketserve.bench.launch import LiveServer, start_server
 
 BUCKETS = "[kv_cache]\ncpu_memory_gib = 0.1\n"
 STEP, OOM, DETOK, ENCODE, BROKEN, DETOK_STREAM = 9001, 9002, 9003, 9004, 9005, 9006

@@ -22,7 +22,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_launch import LiveServer, start_server
+
+from bucketserve.bench.launch import LiveServer, start_server
 
 MODEL = "smollm2-135m-instruct"
 EMBEDDING_MODEL = "all-minilm-l6-v2"

@@ -8,14 +8,11 @@ the server ends idle. (The full-size figures, 2,000 requests in the burst, are i
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
-from server_launch import start_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import overload  # noqa: E402
+from bench import overload
+from bucketserve.bench.launch import start_server
 
 TOML = ("[scheduler]\nmax_running = 4\nmax_waiting = 8\nqueue_timeout_s = 120.0\n"
         "[kv_cache]\ncpu_memory_gib = 0.1\n")

@@ -13,7 +13,8 @@ import time
 
 import httpx
 import pytest
-from server_launch import LiveServer, start_server
+
+from bucketserve.bench.launch import LiveServer, start_server
 
 API_KEY = "reliab-key-8f2c1e"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -1,6 +1,6 @@
 import time
 
-from factories import make_requests, make_scheduler, run_to_end
+from factories import make_requests, make_scheduler, run_to_end, update
 
 from bucketserve.engine.sequence import FinishReason, SequenceStatus
 
@@ -84,7 +84,7 @@ def test_abort_takes_effect_at_next_step_and_frees_blocks():
     sched.add(a)
     sched.add(b)
     batch = sched.schedule()
-    sched.update(batch, [7, 7])
+    update(sched, batch, [7, 7])
     sched.abort(a.request_id)
     assert a.status is SequenceStatus.RUNNING  # not before the step boundary
     batch = sched.schedule()
@@ -126,12 +126,12 @@ def _prefill_long_then_arrive(max_prefill_tokens: int | None) -> tuple[list, obj
     (short,) = make_requests(1, prompt_len=1, max_tokens=1)
     sched.add(long)
     batches = [sched.schedule()]
-    sched.update(batches[0], [None])
+    update(sched, batches[0], [None])
     sched.add(short)
     while short.num_output_tokens == 0:
         batch = sched.schedule()
         batches.append(batch)
-        sched.update(batch, [7 if s.num_computed_tokens + n == s.num_tokens else None
+        update(sched, batch, [7 if s.num_computed_tokens + n == s.num_tokens else None
                              for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)])
     return batches, long, short
 

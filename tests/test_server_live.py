@@ -14,7 +14,8 @@ import socket
 import httpx
 import openai
 import pytest
-from server_launch import LiveServer, start_server
+
+from bucketserve.bench.launch import LiveServer, start_server
 
 API_KEY = "test-key"
 MAX_BODY = 100_000

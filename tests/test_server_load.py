@@ -19,7 +19,8 @@ import time
 import httpx
 import openai
 import pytest
-from server_launch import LiveServer, start_server
+
+from bucketserve.bench.launch import LiveServer, start_server
 
 PROMPT = "Write a long story about a lighthouse keeper."
 BLOCKER = {"prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}

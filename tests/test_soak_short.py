@@ -7,14 +7,11 @@ request and no extra file descriptor. (The 30-minute run's figures are in the RE
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
-from server_launch import start_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import soak  # noqa: E402
+from bench import soak
+from bucketserve.bench.launch import start_server
 
 DURATION_S = 60.0
 WARMUP_S = 15.0

@@ -19,7 +19,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bucketserve.buckets",
                                      description="Validate a bucketserve buckets TOML file.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--max-model-len", type=_positive, help="the LLM's context length")
     check.add_argument("--embedding-max-len", type=_positive,
                        help="the embedding model's maximum input length")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         config = load_buckets(args.file, max_model_len=args.max_model_len)
         config = config.check_model(embedding_max_len=args.embedding_max_len)

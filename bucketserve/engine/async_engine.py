@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from bucketserve.engine.admission import admit
 from bucketserve.engine.core_client import CoreClient, ProcessCore, ThreadCore
-from bucketserve.engine.faults import FaultPlan
+from bucketserve.engine.faults import FaultPlan, Seams
 from bucketserve.engine.llm_engine import LLMEngine
 from bucketserve.engine.messages import (
     AbortRequests,
@@ -68,13 +68,14 @@ MAX_QUEUED_OUTPUTS = 1024
 
 
 class AsyncEngine:
-    def __init__(self, core: CoreClient) -> None:
+    def __init__(self, core: CoreClient, faults: FaultPlan | None = None) -> None:
+        """`faults`: a test's injected detokenizer failures (engine/faults.py)."""
         self.core = core
         self.limits: RequestLimits = core.limits
         self.stats = EngineStats()
         self.stats.kv_blocks_total = core.kv_blocks_total
         self.on_dead: list[Callable[[], None]] = []
-        self._text = TextProcessor(core.tokenizer, FaultPlan.from_env())
+        self._text = TextProcessor(core.tokenizer, faults)
         self._streams: dict[str, asyncio.Queue] = {}
         # finished here (a stop string: "stop"; text processing failed: "error"), not yet by
         # the core: the reason to count once the core reports the finish
@@ -90,18 +91,19 @@ class AsyncEngine:
     @classmethod
     def in_process(cls, engine: LLMEngine) -> AsyncEngine:
         """The core loop in a thread of this process, over `engine`."""
-        return cls(ThreadCore(engine))
+        return cls(ThreadCore(engine), engine.faults)
 
     @classmethod
     def spawn(cls, model: str, device: str = "cpu", dtype: str = "auto",
               buckets_path: str | None = None, log_level: str = "info",
               nvtx: bool = False, quantization: str | None = None,
-              kv_cache_dtype: str | None = None) -> AsyncEngine:
+              kv_cache_dtype: str | None = None, seams: Seams | None = None) -> AsyncEngine:
         """Starts the core process, which loads and warms up the model; returns once it is
         ready (raises CoreStartError if it fails). quantization / kv_cache_dtype: the CLI's
-        overrides of the TOML (core.build_engine)."""
+        overrides of the TOML (core.build_engine); `seams`: a test's (engine/faults.py)."""
         return cls(ProcessCore(model, device, dtype, buckets_path, log_level, nvtx,
-                               quantization, kv_cache_dtype))
+                               quantization, kv_cache_dtype, seams),
+                   seams.faults if seams else None)
 
     # ---- what the server reads ---------------------------------------------------------
 

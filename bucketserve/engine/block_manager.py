@@ -86,9 +86,6 @@ class BlockManager:
     def num_evictable_blocks(self) -> int:
         return len(self._evictable)
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to add so that the sequence's table covers its computed + new tokens."""
         # (runs for every sequence every step: arithmetic inline, no helper calls)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from bucketserve.engine.faults import FaultPlan, Seams
 from bucketserve.engine.llm_engine import LLMEngine
 from bucketserve.engine.messages import (
     AbortRequests,
@@ -45,7 +46,6 @@ from bucketserve.engine.sequence import SamplingParams, Sequence
 log = logging.getLogger("bucketserve.core")
 
 # benchmarks only: the core process profiles its loop with cProfile into this file
-PROFILE_ENV = "BUCKETSERVE_CORE_PROFILE"
 IDLE_WAIT_S = 0.1  # how long an idle core waits for input before it checks on its parent
 
 
@@ -250,11 +250,12 @@ class CoreConfig:
     nvtx: bool = False  # an NVTX range per engine step (LLMEngine nvtx)
     quantization: str | None = None  # --quantization (None: the TOML's model.quantization)
     kv_cache_dtype: str | None = None  # --kv-cache-dtype (None: the TOML's kv_cache.dtype)
+    seams: Seams | None = None  # a test's or benchmark's stand-ins (engine/faults.py)
 
 
 def build_engine(model: str, device: str, dtype: str, buckets_path: str | None,
                  nvtx: bool = False, quantization: str | None = None,
-                 kv_cache_dtype: str | None = None) -> LLMEngine:
+                 kv_cache_dtype: str | None = None, faults: FaultPlan | None = None) -> LLMEngine:
     """Model, buckets, KV pool and a warm-up generation (every stage runs once).
     quantization / kv_cache_dtype (the CLI flags) override the TOML's model.quantization and
     kv_cache.dtype; FP8 on a device without FP8 tensor cores raises QuantizationUnsupported
@@ -279,7 +280,7 @@ def build_engine(model: str, device: str, dtype: str, buckets_path: str | None,
     loaded = load_model(model, device=device, dtype=torch_dtype, quantization=quant.weights)
     t_model = time.perf_counter() - t0
     buckets = buckets.check_model(loaded.max_model_len)
-    engine = LLMEngine(loaded, buckets, device, nvtx=nvtx, quant=quant)
+    engine = LLMEngine(loaded, buckets, device, nvtx=nvtx, quant=quant, faults=faults)
     bm = engine.block_manager
     log.info("model %s loaded in %.1f s (max_model_len %d); KV pool: %d blocks of %d tokens",
              engine.model_name, t_model, engine.max_model_len, bm.num_usable_blocks, bm.block_size)
@@ -340,19 +341,12 @@ def run_core_process(cfg: CoreConfig) -> None:
                 from bucketserve.kernels.cpu_threads import apply_engine_layout
 
                 apply_engine_layout()
+            seams = cfg.seams or Seams()
             engine = build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path, cfg.nvtx,
-                                  cfg.quantization, cfg.kv_cache_dtype)
-            from bucketserve.engine.fake_core import FakeCore, fake_step_s
-            from bucketserve.engine.fake_runner import fake_runner_step_s, install
-
-            runner_s = fake_runner_step_s()  # host-overhead benchmarks only (fake_runner.py)
-            if runner_s is not None:
-                install(engine, runner_s)
-                log.warning("FAKE RUNNER (%s): no model forward, made-up token ids, %.1f ms "
-                            "steps", "BUCKETSERVE_FAKE_RUNNER", runner_s * 1e3)
-
-            step_s = fake_step_s()  # front-end benchmarks only (engine/fake_core.py)
-            core = EngineCore(engine) if step_s is None else FakeCore(engine, step_s)
+                                  cfg.quantization, cfg.kv_cache_dtype, seams.faults)
+            if seams.prepare_engine is not None:
+                seams.prepare_engine(engine)
+            core = (seams.make_core or EngineCore)(engine)
         except (FileNotFoundError, ValueError) as exc:  # a bad model name, file or config
             send_all(out_enc.encode(CoreFailed(str(exc))))
             code = 2
@@ -382,7 +376,7 @@ def run_core_process(cfg: CoreConfig) -> None:
             for outbox, part in zip(outboxes, router.split(msg), strict=True):
                 outbox.send(out_enc.encode(part))
 
-        profile_path = os.environ.get(PROFILE_ENV)  # benchmarks only: cProfile of the loop
+        profile_path = seams.profile_path  # benchmarks only: cProfile of the loop
         timing: dict[str, float] = {}
         if profile_path:
             import cProfile

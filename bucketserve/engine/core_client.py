@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from bucketserve.engine.core import CoreConfig, EngineCore, run_core_loop, run_core_process
+from bucketserve.engine.faults import Seams
 from bucketserve.engine.llm_engine import LLMEngine
 from bucketserve.engine.messages import (
     AddRequest,
@@ -114,14 +115,15 @@ def core_addresses(directory: str, num_clients: int) -> tuple[tuple[str, ...], t
 
 def spawn_core(model: str, device: str, dtype: str, buckets_path: str | None, log_level: str,
                nvtx: bool, directory: str, num_clients: int, quantization: str | None = None,
-               kv_cache_dtype: str | None = None) -> multiprocessing.Process:
+               kv_cache_dtype: str | None = None,
+               seams: Seams | None = None) -> multiprocessing.Process:
     """Starts the core process (spawn, not fork: a fresh interpreter, whatever threads this
     process already runs); it connects to every front end's addresses in `directory`."""
     inputs, outputs = core_addresses(directory, num_clients)
     cfg = CoreConfig(model=model, device=device, dtype=dtype, buckets_path=buckets_path,
                      input_addresses=inputs, output_addresses=outputs,
                      parent_pid=os.getpid(), log_level=log_level, nvtx=nvtx,
-                     quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+                     quantization=quantization, kv_cache_dtype=kv_cache_dtype, seams=seams)
     proc = multiprocessing.get_context("spawn").Process(
         target=run_core_process, args=(cfg,), name="bucketserve-core")
     proc.start()
@@ -140,13 +142,13 @@ class ProcessCore:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "auto",
                  buckets_path: str | None = None, log_level: str = "info",
                  nvtx: bool = False, quantization: str | None = None,
-                 kv_cache_dtype: str | None = None) -> None:
+                 kv_cache_dtype: str | None = None, seams: Seams | None = None) -> None:
         self._dir = tempfile.mkdtemp(prefix="bucketserve-core-")
         self._own_dir = True
         self._bind(self._dir, 0)
         self.proc: multiprocessing.Process | None = spawn_core(
             model, device, dtype, buckets_path, log_level, nvtx, self._dir, 1, quantization,
-            kv_cache_dtype)
+            kv_cache_dtype, seams)
         self._core_fd = self.proc.sentinel
         self._setup()
 

@@ -36,6 +36,7 @@ from bucketserve.buckets import BucketsConfig, EmbeddingConfig
 from bucketserve.engine.embedding_cost import CostTable
 from bucketserve.engine.embedding_queue import Batch, BucketQueue, finish_by
 from bucketserve.engine.embedding_runner import FunctionRunner, Ticket
+from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.outputs import QueueFullError
 
 log = logging.getLogger("bucketserve.embeddings")
@@ -194,6 +195,7 @@ class EmbeddingBatcher:
         self.queue_timeout_s = queue_timeout_s
         self.max_waiting = max_waiting
         self.stats = BatcherStats()
+        self.faults: FaultPlan | None = None  # a test's injected failures ("encode" rules)
 
         self._num_waiting_requests = 0
         self._cond = threading.Condition()
@@ -386,6 +388,8 @@ class EmbeddingBatcher:
     def _launch(self, batch: Batch) -> _Running | None:
         start = time.monotonic()
         try:
+            if self.faults is not None:
+                self.faults.fire("encode", (item.ids[0] for item in batch.items))
             ticket = self.runner.launch([item.ids for item in batch.items], batch.length)
         except Exception as exc:  # a model failure fails this batch's requests, not the server
             self._fail(batch, exc)
@@ -434,7 +438,7 @@ async def embed_texts(batcher: EmbeddingBatcher,
     of adding up."""
     import concurrent.futures
 
-    from bucketserve.engine.embedding_tokenizer import unpack
+    from bucketserve.models.embedding_tokenizer import unpack
 
     loop = asyncio.get_running_loop()
     parts_in = [list(texts[i:i + chunk]) for i in range(0, len(texts), chunk)]

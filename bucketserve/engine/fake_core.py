@@ -1,8 +1,8 @@
 """A stand-in engine core for measuring the front end alone (bench/frontend_capacity.py).
 
-Off unless the environment variable BUCKETSERVE_FAKE_CORE is set when the core process
-starts; nothing in the HTTP API can turn it on. Its value is the step period in seconds
-(e.g. "0.005"). The real engine is still built (model, tokenizer, limits, warm-up: the front
+Passed in by a benchmark (`Seams(make_core=partial(FakeCore, step_s=0.005))`, see
+bucketserve/bench/hooks.py); no production module imports it, nothing in the HTTP API can
+turn it on. `step_s` is the step period in seconds. The real engine is still built (model, tokenizer, limits, warm-up: the front
 end sees exactly what it sees in production), but the loop never runs the model: every
 `step` (at most one per period) admits waiting requests up to max_running, gives each
 running sequence one token at once, and finishes it with "length" after its max_tokens. So
@@ -15,7 +15,6 @@ same work per token as for real text. Logprobs are not produced.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 
@@ -29,14 +28,6 @@ from bucketserve.engine.messages import (
     SeqOutput,
     StepOutputs,
 )
-
-ENV_VAR = "BUCKETSERVE_FAKE_CORE"
-
-
-def fake_step_s() -> float | None:
-    """The step period asked for in the environment, or None (the real core)."""
-    value = os.environ.get(ENV_VAR)
-    return float(value) if value else None
 
 
 class _Seq:

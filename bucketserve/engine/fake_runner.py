@@ -1,8 +1,8 @@
 """A stand-in model runner for measuring the engine's host work alone (bench/core_overhead.py).
 
-Off unless a benchmark installs it: `install(engine, step_s)` in bench code, or the
-environment variable BUCKETSERVE_FAKE_RUNNER=STEP_S read once when the engine core process
-builds its engine (engine/core.py); nothing in the HTTP API can turn it on. Everything of a
+Off unless a benchmark installs it: `install(engine, step_s)` in bench code, or passed to
+the server as `Seams(prepare_engine=partial(install, step_s=S))` (bucketserve/bench/hooks.py);
+no production module imports it, nothing in the HTTP API can turn it on. Everything of a
 real step runs (scheduling, `StepInputs.fill` into the runner's own host buffers, the
 placeholder bookkeeping of overlapped scheduling, token stops, output processing, the core's
 message) except the forward and the sampling: each sampled row gets a token id at once,
@@ -17,19 +17,13 @@ cost only their host work.
 
 from __future__ import annotations
 
-import os
+import logging
 import time
 
 from bucketserve.engine.runner import ModelRunner, RunnerOutput, RunnerStep
 from bucketserve.engine.scheduler import ScheduledBatch
 
-ENV_VAR = "BUCKETSERVE_FAKE_RUNNER"
-
-
-def fake_runner_step_s() -> float | None:
-    """The fake device's step time asked for in the environment, or None (the real runner)."""
-    value = os.environ.get(ENV_VAR)
-    return float(value) if value else None
+log = logging.getLogger("bucketserve.core")
 
 
 class _FakeStep(RunnerStep):
@@ -104,4 +98,5 @@ def install(engine, step_s: float = 0.0) -> FakeRunner:
                       cache_key=(engine.model_name, "fake"))
     engine.block_manager = engine.scheduler.blocks = bm
     engine.stats.kv_blocks_total = bm.num_usable_blocks
+    log.warning("FAKE RUNNER: no model forward, made-up token ids, %.1f ms steps", step_s * 1e3)
     return fake

@@ -24,7 +24,6 @@ import torch
 
 from bucketserve.buckets import BucketsConfig, BucketSpec, load_buckets
 from bucketserve.engine.admission import RequestError, admit
-from bucketserve.engine.admission import validate as validate_request
 from bucketserve.engine.block_manager import BlockManager
 from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.kv_budget import gpu_kv_budget_blocks, kv_bytes_per_block
@@ -53,8 +52,10 @@ class LLMEngine:
     def __init__(self, loaded, buckets: BucketsConfig, device: str | torch.device = "cpu",
                  num_blocks: int | None = None, cuda_graphs: bool = True,
                  piecewise_graphs: bool = True, async_scheduling: bool | None = None,
-                 nvtx: bool = False, quant: QuantPlan | None = None) -> None:
+                 nvtx: bool = False, quant: QuantPlan | None = None,
+                 faults: FaultPlan | None = None) -> None:
         """`loaded` is a models.LoadedModel; `num_blocks` overrides the KV budget (tests);
+        `faults`: a test's injected failures (engine/faults.py; None in production);
         `cuda_graphs` (CUDA only) captures one decode graph per decode batch size and, with
         `piecewise_graphs`, prefill and mixed steps as graphs too (at the TOML's
         prefill.piecewise_sizes; prefill.mixed_graphs: whole steps, or everything but
@@ -129,7 +130,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.stats.kv_blocks_total = self.block_manager.num_usable_blocks
         self._seqs: dict[str, Sequence] = {}
-        self.faults = FaultPlan.from_env()  # test-only hook (engine/faults.py); None normally
+        self.faults = faults
         self.num_failed_steps = 0  # in a row
 
     @classmethod
@@ -167,10 +168,6 @@ class LLMEngine:
             num_kv_blocks=self.block_manager.num_usable_blocks,
             block_size=self.block_manager.block_size, max_waiting=self.buckets.max_waiting,
             queue_timeout_s=self.buckets.queue_timeout_s)
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises RequestError for a request that can never run."""
-        validate_request(self.limits, prompt_token_ids, params)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0,

@@ -270,17 +270,6 @@ class Scheduler:
         return ScheduledBatch(decodes + prefills, [1] * nd + prefill_new, nd, kind, bucket,
                               preempted, useful, left)
 
-    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """A step run synchronously: `on_launched` then `on_sampled` for each token.
-        `sampled[i]` is the new token of batch.seqs[i] (None when it is still in its
-        prompt). Returns the sequences that finished."""
-        self.on_launched(batch, [i for i, t in enumerate(sampled) if t is not None])
-        finished = []
-        for seq, token in zip(batch.seqs, sampled, strict=True):
-            if token is not None and self.on_sampled(seq, token):
-                finished.append(seq)
-        return finished
-
     def on_launched(self, batch: ScheduledBatch, samples: list[int]) -> None:
         """The runner has taken the step: its tokens count as computed, and the sequences at
         batch indices `samples` each owe one sampled token (num_pending)."""

@@ -103,10 +103,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
 
 _current: AttentionMetadata | None = None
 
@@ -279,11 +275,3 @@ class AttentionBackend:
         meta = get_forward_context()
         self.write_kv(k, v, k_cache, v_cache, meta)
         return self.attend(q, k_cache, v_cache, meta, scale)
-
-
-def get_backend(device: torch.device | str) -> AttentionBackend:
-    if torch.device(device).type == "cuda":
-        from bucketserve.kernels.triton_attention import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    return AttentionBackend()

@@ -1,6 +1,6 @@
 """Triton paged attention for CUDA: K/V write, decode (GQA, split-K) and varlen prefill.
 
-Imported only for CUDA devices (kernels.attention.get_backend); never on CPU.
+Imported only for CUDA devices (models.loader.get_backend); never on CPU.
 
 Pool of one layer: k_cache, v_cache [num_blocks, page, Hkv, D]; a token at position n of
 sequence s lives in page block_tables[s, n // page], slot n % page. The kernels gather K/V

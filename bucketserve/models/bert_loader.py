@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from bucketserve.engine.embedding_tokenizer import EmbeddingTokenizer
 from bucketserve.models.bert import POOLING_MODES, BertConfig, BertEmbeddingModel
+from bucketserve.models.embedding_tokenizer import EmbeddingTokenizer
 from bucketserve.models.registry import resolve
 
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"

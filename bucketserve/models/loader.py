@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bucketserve.kernels.attention import AttentionBackend, get_backend
+from bucketserve.kernels.attention import AttentionBackend
 from bucketserve.kernels.fp8 import dequantize_fp8, quantize_fp8_per_channel
 from bucketserve.models.config import ModelConfig
 from bucketserve.models.fp8_checkpoint import apply_fp8_checkpoint, fuse_fp8_linear
@@ -36,6 +36,16 @@ class LoadedModel:
     config: ModelConfig
     name: str
     max_model_len: int
+
+
+def get_backend(device: torch.device | str) -> AttentionBackend:
+    """The attention backend of a device: the Triton kernels on CUDA (imported only there),
+    the torch reference with the C kernels elsewhere."""
+    if torch.device(device).type == "cuda":
+        from bucketserve.kernels.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return AttentionBackend()
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -19,6 +19,7 @@ import sys
 import time
 from types import FrameType
 
+from bucketserve.engine.faults import Seams
 from bucketserve.server.app import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -122,30 +123,33 @@ def check_quantization(args: argparse.Namespace) -> None:
                        args.kv_cache_dtype or b.kv_cache_dtype)
 
 
-def load_engine(args: argparse.Namespace):
+def load_engine(args: argparse.Namespace, seams: Seams | None = None):
     """The engine core (its own process unless --engine-in-process), loaded and warmed up,
-    and the buckets config; returns a started-not-yet AsyncEngine."""
+    and the buckets config; returns a started-not-yet AsyncEngine. `seams`: what a test or
+    benchmark passes in (engine/faults.py; None in production)."""
     from bucketserve.buckets import load_buckets
     from bucketserve.engine.async_engine import AsyncEngine
     from bucketserve.engine.core import build_engine
 
     load_buckets(args.buckets)  # a bad file fails here, before a process is started
-    check_quantization(args)
+    seams = seams or Seams()
     if args.engine_in_process:
-        engine = AsyncEngine.in_process(build_engine(args.model, args.device, args.dtype,
-                                                     args.buckets, args.nvtx, args.quantization,
-                                                     args.kv_cache_dtype))
+        core = build_engine(args.model, args.device, args.dtype, args.buckets, args.nvtx,
+                            args.quantization, args.kv_cache_dtype, seams.faults)
+        if seams.prepare_engine is not None:
+            seams.prepare_engine(core)
+        engine = AsyncEngine.in_process(core)
     else:
         t0 = time.perf_counter()
         engine = AsyncEngine.spawn(args.model, args.device, args.dtype, args.buckets,
                                    args.log_level, args.nvtx, args.quantization,
-                                   args.kv_cache_dtype)
+                                   args.kv_cache_dtype, seams)
         log.info("engine core ready in process %d after %.1f s", engine.core.pid,
                  time.perf_counter() - t0)
     return engine, load_buckets(args.buckets, max_model_len=engine.max_model_len)
 
 
-def load_add_ons(args: argparse.Namespace, buckets) -> list[AddOn]:
+def load_add_ons(args: argparse.Namespace, buckets, seams: Seams | None = None) -> list[AddOn]:
     """The embeddings service, when a model is asked for."""
     if args.embedding_model.lower() == "none":
         return []
@@ -157,27 +161,32 @@ def load_add_ons(args: argparse.Namespace, buckets) -> list[AddOn]:
     dtype = (_torch_dtype("float16", args.device) if name == "auto" and args.device == "cuda"
              else _torch_dtype(name, args.device))
     add_on = embeddings.build_add_on(args.embedding_model, device=args.device, dtype=dtype,
-                                     buckets=buckets)
+                                     buckets=buckets, faults=seams.faults if seams else None)
     log.info("embedding model %s loaded in %.1f s", add_on.model_name, time.perf_counter() - t0)
     return [add_on]
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, seams: Seams | None = None) -> int:
     from bucketserve.buckets import ConfigError
     from bucketserve.engine.core_client import CoreStartError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from installed packages only
+    try:
+        check_quantization(args)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"bucketserve: error: {exc}", file=sys.stderr)
+        return 2
     if args.api_workers > 1:
         from bucketserve.server.workers import serve_workers
 
-        return serve_workers(args)
+        return serve_workers(args, load_add_ons, run_http, seams)
     try:
-        engine, buckets = load_engine(args)
+        engine, buckets = load_engine(args, seams)
     except (ConfigError, FileNotFoundError, ValueError, CoreStartError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        add_ons = load_add_ons(args, buckets)
+        add_ons = load_add_ons(args, buckets, seams)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
         if not args.engine_in_process:
@@ -251,12 +260,13 @@ def _ignore(sig: int, frame: FrameType | None) -> None:
     pass
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, seams: Seams | None = None) -> int:
+    """`seams`: the stand-ins a test or benchmark passes in (bucketserve/bench/hooks.py)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        return serve(args)
+        return serve(args, seams)
     if args.command == "bench":
         from bucketserve.bench.cli import run_bench
 

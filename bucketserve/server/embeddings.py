@@ -345,22 +345,16 @@ class BatcherStatsCollector(Collector):
 class EmbeddingService:
     """The /v1/embeddings add-on: model, batcher and router (see server/app.py AddOn)."""
 
-    def __init__(self, loaded: LoadedEmbeddingModel, buckets: BucketsConfig) -> None:
+    def __init__(self, loaded: LoadedEmbeddingModel, buckets: BucketsConfig,
+                 faults: FaultPlan | None = None) -> None:
+        """`faults`: a test's injected encoder failures (engine/faults.py)."""
         buckets = buckets.check_model(embedding_max_len=loaded.max_seq_length)
         self.loaded = loaded
         self.model_name = loaded.name
         self.batcher = build_batcher(loaded.model, loaded.config.pad_token_id, buckets)
         runner = self.batcher.runner
         self.graphs = runner if isinstance(runner, CudaGraphRunner) else None
-        faults = FaultPlan.from_env()  # test-only hook (engine/faults.py); None normally
-        if faults is not None:
-            launch = runner.launch
-
-            def launch_with_faults(rows: list[list[int]], length: int):
-                faults.fire("encode", (row[0] for row in rows))
-                return launch(rows, length)
-
-            runner.launch = launch_with_faults
+        self.batcher.faults = faults
         self.max_inputs = buckets.embedding.max_inputs_per_request
         self.queue_timeout_s = buckets.queue_timeout_s
         # Longest input served: the model's limit, or a smaller last bucket from the user's file.
@@ -640,11 +634,12 @@ def _render(vectors: list[np.ndarray], encoding_format: str, model: str, used: i
 
 def build_add_on(model: str = "all-minilm-l6-v2", device: str = "cpu",
                  dtype: torch.dtype = torch.float32,
-                 buckets: BucketsConfig | None = None) -> EmbeddingService:
+                 buckets: BucketsConfig | None = None,
+                 faults: FaultPlan | None = None) -> EmbeddingService:
     """Load the embedding model and build its service (cli.py calls this for --embedding-model);
     on CUDA this captures the encoder's graphs (logged: how many, how long, how much memory)."""
     loaded = load_embedding_model(model, device=device, dtype=dtype)
-    service = EmbeddingService(loaded, buckets if buckets is not None else load_buckets())
+    service = EmbeddingService(loaded, buckets if buckets is not None else load_buckets(), faults)
     if service.graphs is None:  # one tiny forward: the first request pays no lazy set-up
         ids = torch.zeros((1, service.batcher.spec.boundaries[0]), dtype=torch.long,
                           device=device)

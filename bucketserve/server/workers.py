@@ -44,7 +44,10 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from multiprocessing.connection import wait
+
+from bucketserve.engine.faults import Seams
 
 log = logging.getLogger("bucketserve.server")
 
@@ -63,10 +66,12 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_workers(args: argparse.Namespace) -> int:
+def serve_workers(args: argparse.Namespace, load_add_ons: Callable, run_http: Callable,
+                  seams: Seams | None = None) -> int:
+    """`load_add_ons` and `run_http`: server/cli.py's, run in every worker (passed in, so that
+    this module does not import the CLI that imports it)."""
     from bucketserve.buckets import ConfigError, load_buckets
     from bucketserve.engine.core_client import spawn_core
-    from bucketserve.server.cli import check_quantization
 
     n = args.api_workers
     if args.engine_in_process:
@@ -75,7 +80,6 @@ def serve_workers(args: argparse.Namespace) -> int:
         return 2
     try:
         load_buckets(args.buckets)  # a bad file fails here, before a process is started
-        check_quantization(args)
         listening_socket(args.host, args.port).close()  # the port is ours to share
     except (ConfigError, FileNotFoundError, ValueError, OSError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
@@ -84,11 +88,12 @@ def serve_workers(args: argparse.Namespace) -> int:
     metrics_dir = os.path.join(directory, "metrics")
     os.mkdir(metrics_dir)
     core = spawn_core(args.model, args.device, args.dtype, args.buckets, args.log_level,
-                      args.nvtx, directory, n, args.quantization, args.kv_cache_dtype)
+                      args.nvtx, directory, n, args.quantization, args.kv_cache_dtype, seams)
     log.info("engine core started in process %d; %d API workers", core.pid, n)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers
     ctx = multiprocessing.get_context("spawn")
-    workers = [ctx.Process(target=run_worker, args=(args, k, directory, core.pid),
+    workers = [ctx.Process(target=run_worker,
+                           args=(args, k, directory, core.pid, load_add_ons, run_http, seams),
                            name=f"bucketserve-api-{k}") for k in range(n)]
     stopping = False
 
@@ -151,7 +156,8 @@ def serve_workers(args: argparse.Namespace) -> int:
     return code
 
 
-def run_worker(args: argparse.Namespace, index: int, directory: str, core_pid: int) -> None:
+def run_worker(args: argparse.Namespace, index: int, directory: str, core_pid: int,
+               load_add_ons: Callable, run_http: Callable, seams: Seams | None = None) -> None:
     """Front end `index`: attach to the core, serve HTTP on the shared port, exit with the
     server's status (1 when the core died, 2 when it never became ready)."""
     logging.basicConfig(level=args.log_level.upper(),
@@ -163,7 +169,6 @@ def run_worker(args: argparse.Namespace, index: int, directory: str, core_pid: i
     from bucketserve.buckets import ConfigError, load_buckets
     from bucketserve.engine.async_engine import AsyncEngine
     from bucketserve.engine.core_client import CoreStartError, ProcessCore
-    from bucketserve.server.cli import load_add_ons, run_http
     from bucketserve.server.protocol import set_worker_id_tag
 
     embeds = args.embedding_model.lower() != "none"
@@ -178,10 +183,10 @@ def run_worker(args: argparse.Namespace, index: int, directory: str, core_pid: i
         sys.exit(2)
     if index == 0:
         log.info("engine core ready in process %d", core.pid)
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(core, seams.faults if seams else None)
     try:
         add_ons = load_add_ons(args, load_buckets(args.buckets,
-                                                  max_model_len=engine.max_model_len))
+                                                  max_model_len=engine.max_model_len), seams)
         sock = listening_socket(args.host, args.port)
     except (ConfigError, FileNotFoundError, ValueError, OSError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)

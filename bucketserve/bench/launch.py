@@ -28,7 +28,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command() -> list[str]:
+def command(env: dict[str, str] | None = None) -> list[str]:
+    """The server's command line: the installed console script, or, when `env` sets a test
+    switch (`hooks.SWITCHES`), the launcher that passes its stand-ins in
+    (bucketserve/bench/hooks.py; the production server reads no test switch)."""
+    from bucketserve.bench.hooks import SWITCHES
+
+    if env and any(env.get(name) for name in SWITCHES):
+        return [sys.executable, "-m", "bucketserve.bench.hooks"]
     script = Path(sys.executable).with_name("bucketserve")
     if script.exists():
         return [str(script)]
@@ -88,14 +95,15 @@ class LiveServer:
 
 def start_server(workdir: Path, name: str, buckets_toml: str, *extra_args: str,
                  env: dict[str, str] | None = None) -> LiveServer:
-    """`env`: extra environment variables for the server process."""
+    """`env`: extra environment variables for the server process (test switches included:
+    see `command`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     buckets = workdir / f"{name}.toml"
     buckets.write_text(buckets_toml)
     log_path = workdir / f"{name}.log"
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
-    args = [*command(), "serve", "--host", "127.0.0.1", "--port", str(port),
+    args = [*command(env), "serve", "--host", "127.0.0.1", "--port", str(port),
             "--buckets", str(buckets), "--embedding-model", "none", *extra_args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
