@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bucketserve.kernels.attention import get_backend
+from bucketserve.models.loader import get_backend
 from bucketserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8_per_channel
 from bucketserve.models import LlamaForCausalLM, UnsupportedModelError
 from bucketserve.models.loader import fuse_hf_tensors, read_hf_dir
