@@ -13,10 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bucketserve.models.loader import get_backend
 from bucketserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8_per_channel
 from bucketserve.models import LlamaForCausalLM, UnsupportedModelError
-from bucketserve.models.loader import fuse_hf_tensors, read_hf_dir
+from bucketserve.models.loader import fuse_hf_tensors, get_backend, read_hf_dir
 from tests.test_models import Pool, hf_logits
 
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -249,6 +248,31 @@ def test_dequantized_checkpoint_logits_close_to_bf16(tmp_path):
     assert cos.min() > 0.99 and cos.mean() > 0.997
     assert ((got - want).abs().amax(dim=-1) / want.abs().amax(dim=-1)).max() < 0.2
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_checkpoint_runs_through_the_fp8_model(tmp_path):
+    """The loader's path end to end: a compressed-tensors directory becomes the FP8 model
+    (--quantization fp8; its own weights and scales, not quantized again), whose logits (the
+    torch reference GEMM on the CPU) stay close to the bf16 model's; without --quantization
+    fp8 the checkpoint is refused with one line."""
+    from bucketserve.models.loader import model_from_hf_tensors
+
+    reference = tiny_hf(std=0.12).float()
+    tokens = list(range(3, 40))
+    want = hf_logits(reference, tokens)
+    save_compressed_tensors(tmp_path, tiny_hf(std=0.12))
+    config, tensors = read_hf_dir(tmp_path)
+    with pytest.raises(ValueError, match="--quantization fp8") as err:
+        model_from_hf_tensors(config, dict(tensors), "cpu", torch.float32)
+    assert "\n" not in str(err.value)
+    model = model_from_hf_tensors(config, dict(tensors), "cpu", torch.float32,
+                                  get_backend("cpu"), quantization="fp8")
+    down = model.model.layers[1].mlp.down_proj
+    stored = tensors["model.layers.1.mlp.down_proj.weight"]
+    assert down.weight.dtype == FP8_DTYPE and torch.equal(bits(down.weight), bits(stored))
+    got = Pool(model).step([(0, tokens, 0)])[0]
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert cos.min() > 0.98 and (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
 # ---- plain `fp8` format (Qwen3-FP8 / DeepSeek), written by hand ---------------------------
