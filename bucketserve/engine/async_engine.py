@@ -43,17 +43,6 @@ from bucketserve.engine.stats import EngineStats
 log = logging.getLogger(__name__)
 
 
-def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """One output for two consecutive ones of a request (b follows a)."""
-    b.new_token_ids = a.new_token_ids + b.new_token_ids
-    b.new_text = a.new_text + b.new_text
-    if a.new_logprobs:
-        b.new_logprobs = a.new_logprobs + b.new_logprobs
-    if a.metrics:
-        b.metrics = {**a.metrics, **b.metrics}
-    return b
-
-
 class EngineDeadError(RuntimeError):
     """The engine core has stopped; no request can be served."""
 
@@ -181,14 +170,9 @@ class AsyncEngine:
         finished = False
         try:
             while True:
+                # one output per engine step, never merged: a consumer that is behind (an
+                # event loop busy for longer than a step) still sends one SSE event per step
                 item = await stream.get()
-                while not isinstance(item, BaseException) and not stream.empty():
-                    # the consumer is behind: hand it every step's news in one output
-                    nxt = stream.get_nowait()
-                    if isinstance(nxt, BaseException):
-                        stream.put_nowait(nxt)  # (nothing follows an error)
-                        break
-                    item = merge_outputs(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

@@ -148,11 +148,26 @@ class ServerMetrics:
         self.queue_time = Histogram(
             "bucketserve_queue_time_seconds", "Arrival to first scheduled step.",
             buckets=_LATENCY_BUCKETS, registry=own)
+        # streamed generation: events that carried tokens, and those tokens (server/streaming.py)
+        self.sse_events = Counter(
+            "bucketserve_sse_token_events",
+            "SSE events sent that carried generated tokens (one per engine step per choice), "
+            "per endpoint.", ["endpoint"], registry=own)
+        self.sse_tokens = Counter(
+            "bucketserve_sse_tokens",
+            "Generated tokens sent in SSE events, per endpoint; divided by "
+            "bucketserve_sse_token_events_total: tokens per event.", ["endpoint"], registry=own)
         self.request_log: RequestLog | None = None  # `serve --request-log FILE`
 
     def count_finished(self, reason: str) -> None:
         """EngineStats.on_finished in multiprocess mode."""
         self.finished_by_reason.labels(reason).inc()
+
+    def count_stream(self, endpoint: str, events: int, tokens: int) -> None:
+        """A stream's token events and their tokens (counted once, when it ends)."""
+        if events:
+            self.sse_events.labels(endpoint).inc(events)
+            self.sse_tokens.labels(endpoint).inc(tokens)
 
     def observe_finished(self, out: RequestOutput) -> None:
         if self.request_log is not None:
