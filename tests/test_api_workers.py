@@ -175,6 +175,19 @@ def test_two_workers_serve_count_and_stop_cleanly(server) -> None:
     assert values == [24.0] * 6
     assert server.metric("bucketserve_time_to_first_token_seconds_count") == 24.0
     assert server.metric("bucketserve_engine_steps_total") > 0
+
+    def streamed(_: int) -> int:
+        with httpx.stream("POST", server.base_url + "/v1/completions",
+                          json={**body, "stream": True}, timeout=300) as r:
+            return sum(1 for ln in r.iter_lines() if ln.startswith("data: {"))
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(n >= 1 for n in pool.map(streamed, range(8)))
+    # streamed tokens are counted in whichever worker sent them, summed in every scrape
+    values = [server.metric('bucketserve_sse_tokens_total{endpoint="completions"}')
+              for _ in range(6)]
+    assert values == [24.0] * 6
+    assert 8 <= server.metric('bucketserve_sse_token_events_total{endpoint="completions"}') <= 24
     workers = _workers(server)
     core = core_pid(server)
     assert server.stop() == 0, server.log()

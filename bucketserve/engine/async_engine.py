@@ -100,6 +100,11 @@ class AsyncEngine:
         return self.core.model_name
 
     @property
+    def info(self) -> dict[str, str]:
+        """What the core runs: model, device, dtype, quantization, kv_cache_dtype."""
+        return self.core.info
+
+    @property
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 
