@@ -99,3 +99,39 @@ def test_chat_stream_sends_one_event_per_step_and_counts_them() -> None:
     assert m['bucketserve_sse_token_events_total{endpoint="chat"}'] == len(TEXTS)
     assert m['bucketserve_sse_tokens_total{endpoint="chat"}'] == len(STEPS)
     assert not any(k.startswith("bucketserve_sse_tokens_total") and "completions" in k for k in m)
+
+
+def test_steps_that_arrive_together_reach_each_stream_before_the_next_is_handled() -> None:
+    """Three steps delivered by the core client at once (a loop that fell behind): each
+    stream takes step n's output before step n+1 is handled, so its events leave one step
+    apart rather than in one burst."""
+    from bucketserve.engine.sequence import SamplingParams
+
+    async def scenario() -> list[str]:
+        core = Core()
+        engine = AsyncEngine(core)
+        engine.start()
+        log: list[str] = []
+        handle = engine._on_step
+
+        def on_step(msg) -> None:
+            log.append(f"step {msg.outputs[0].new_token_ids[0]}")
+            handle(msg)
+
+        engine._on_step = on_step
+
+        async def consume(rid: str) -> None:
+            async for out in engine.generate([1, 2], SamplingParams(max_tokens=3), rid):
+                log.append(f"{rid} {out.new_token_ids}")
+
+        tasks = [asyncio.create_task(consume(rid)) for rid in ("a", "b")]
+        await asyncio.sleep(0.01)
+        for t in (65, 66, 67):  # back to back, before the loop runs anything
+            outs = [SeqOutput(rid, [t], "length" if t == 67 else None) for rid in ("a", "b")]
+            core.deliver(step(outs, num_added=2))
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        return log
+
+    log = asyncio.run(scenario())
+    assert log == ["step 65", "a [65]", "b [65]", "step 66", "a [66]", "b [66]",
+                   "step 67", "a [67]", "b [67]"], log

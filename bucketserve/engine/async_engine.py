@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
@@ -69,6 +71,11 @@ class AsyncEngine:
         # the core: the reason to count once the core reports the finish
         self._ended: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # what the core client delivers (StepOutputs, or why it died), in order; `_taking`:
+        # a `_take` is scheduled on the loop
+        self._inbox: deque[StepOutputs | str] = deque()
+        self._inbox_lock = threading.Lock()
+        self._taking = False
         self._started = False
         self._accepting = True
         self._dead_reason: str | None = None
@@ -131,10 +138,35 @@ class AsyncEngine:
     def start(self) -> None:
         """Call from the event loop that will serve the requests."""
         self._loop = asyncio.get_running_loop()
-        loop = self._loop
-        self.core.start(lambda msg: loop.call_soon_threadsafe(self._on_step, msg),
-                        lambda reason: loop.call_soon_threadsafe(self._on_dead, reason))
+        self.core.start(self._deliver, self._deliver)
         self._started = True
+
+    def _deliver(self, msg: StepOutputs | str) -> None:
+        """From the core client's thread: a step's outputs, or (a str) why the core died."""
+        with self._inbox_lock:
+            self._inbox.append(msg)
+            if self._taking:
+                return
+            self._taking = True
+        self._loop.call_soon_threadsafe(self._take)
+
+    def _take(self) -> None:
+        """Handles one message of the inbox per turn of the event loop. The streams that a
+        step's outputs woke run (and write their events to their sockets) before the next
+        step is handled, so when the loop fell behind by several steps each client still gets
+        one event per step, spaced by the front end's work on a step, not all of them at once."""
+        with self._inbox_lock:
+            msg = self._inbox.popleft()
+        try:
+            if isinstance(msg, StepOutputs):
+                self._on_step(msg)
+            else:
+                self._on_dead(msg)
+        finally:
+            with self._inbox_lock:
+                more = self._taking = bool(self._inbox)
+            if more:
+                self._loop.call_soon(self._take)  # after the stream tasks this message woke
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stops accepting, lets running requests finish for up to `timeout_s`, aborts the
