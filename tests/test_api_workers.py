@@ -265,6 +265,6 @@ def test_one_choice_stream_that_is_not_read_is_bounded_and_aborted(monkeypatch) 
             async for _, out in outputs:
                 got += out.new_token_ids
         assert err.value.status == 408 and err.value.code == "client_too_slow"
-        assert got == list(range(6))  # what was held (one output per step), then the error
+        assert got == list(range(6))  # what was held (merged into one output), then the error
 
     asyncio.run(scenario())

@@ -2,9 +2,9 @@
 
 The real app and AsyncEngine over a core that the test plays (test_engine_core.FakeCore), so
 the test decides when each step's output arrives: one step at a time, and several steps at
-once (a front end that fell behind, whose outputs used to be merged into one event).
-Detokenization is on (one token per UTF-8 byte): a partial character makes no event and its
-token goes out with the next one.
+once (a front end that fell behind: up to CATCH_UP_STEPS still one event per step, beyond
+that one merged event). Detokenization is on (one token per UTF-8 byte): a partial
+character makes no event and its token goes out with the next one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from test_engine_core import FakeCore, step
 from test_server_app import ByteTokenizer
 
 from bucketserve.bench.scrape import parse_prometheus
-from bucketserve.engine.async_engine import AsyncEngine
+from bucketserve.engine.async_engine import CATCH_UP_STEPS, AsyncEngine
 from bucketserve.engine.messages import SeqOutput
 from bucketserve.server.app import create_app
 from bucketserve.server.context import ServerContext
@@ -46,8 +46,8 @@ def _token_events(body: str) -> tuple[list[str], list[dict]]:
 
 
 def _stream(path: str, body: dict, burst: int) -> tuple[list[str], list[dict], dict]:
-    """Streams one request; the core's steps arrive one per loop turn except for `burst`
-    steps (after the first) delivered back to back before the consumer runs."""
+    """Streams one request; the core client delivers its steps one per loop turn except for
+    `burst` steps (after the first) delivered back to back before the loop runs anything."""
 
     async def scenario() -> tuple[str, dict]:
         core = Core()
@@ -62,9 +62,9 @@ def _stream(path: str, body: dict, burst: int) -> tuple[list[str], list[dict], d
             (rid,) = engine._streams
             for i, toks in enumerate(STEPS):
                 last = i == len(STEPS) - 1
-                engine._on_step(step([SeqOutput(rid, toks, "length" if last else None)],
-                                     num_added=1))
-                if not 1 <= i < 1 + burst:
+                core.deliver(step([SeqOutput(rid, toks, "length" if last else None)],
+                                  num_added=1))
+                if not 1 <= i < burst:
                     await asyncio.sleep(0.01)  # the consumer takes it before the next step
 
         transport = httpx.ASGITransport(app=app)
@@ -93,12 +93,20 @@ def test_completions_stream_sends_one_event_per_step_and_counts_them() -> None:
 def test_chat_stream_sends_one_event_per_step_and_counts_them() -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": len(STEPS),
             "stream": True}
-    texts, chunks, m = _stream("/v1/chat/completions", body, burst=5)
+    texts, chunks, m = _stream("/v1/chat/completions", body, burst=CATCH_UP_STEPS)
     assert texts == TEXTS
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert m['bucketserve_sse_token_events_total{endpoint="chat"}'] == len(TEXTS)
     assert m['bucketserve_sse_tokens_total{endpoint="chat"}'] == len(STEPS)
     assert not any(k.startswith("bucketserve_sse_tokens_total") and "completions" in k for k in m)
+
+
+def test_a_backlog_beyond_catch_up_steps_is_sent_merged_and_counted_so() -> None:
+    body = {"prompt": "ab", "max_tokens": len(STEPS), "stream": True}
+    texts, _, m = _stream("/v1/completions", body, burst=CATCH_UP_STEPS + 2)
+    assert texts == ["h", "éllo!"]  # the 6 steps behind the first: one event
+    assert m['bucketserve_sse_token_events_total{endpoint="completions"}'] == 2
+    assert m['bucketserve_sse_tokens_total{endpoint="completions"}'] == len(STEPS)
 
 
 def test_steps_that_arrive_together_reach_each_stream_before_the_next_is_handled() -> None:

@@ -45,6 +45,17 @@ from bucketserve.engine.stats import EngineStats
 log = logging.getLogger(__name__)
 
 
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of a request (b follows a)."""
+    b.new_token_ids = a.new_token_ids + b.new_token_ids
+    b.new_text = a.new_text + b.new_text
+    if a.new_logprobs:
+        b.new_logprobs = a.new_logprobs + b.new_logprobs
+    if a.metrics:
+        b.metrics = {**a.metrics, **b.metrics}
+    return b
+
+
 class EngineDeadError(RuntimeError):
     """The engine core has stopped; no request can be served."""
 
@@ -53,6 +64,12 @@ class StalledStreamError(RuntimeError):
     """The request's consumer stopped taking its outputs; the request was aborted."""
 
 
+# More core messages than this waiting when the event loop gets to them (the front end is
+# that many engine steps behind): they are handled in one turn, and each stream sends what they
+# brought it as one event, so that an overloaded front end catches up instead of falling
+# further behind (bucketserve_sse_tokens_total / bucketserve_sse_token_events_total rises
+# above 1). Fewer: one message per turn, one event per step per stream.
+CATCH_UP_STEPS = 4
 # Outputs held for a request whose consumer does not take them (a client that stopped reading
 # blocks its sender): past this many the request is aborted and its stream ends in an error.
 MAX_QUEUED_OUTPUTS = 1024
@@ -153,15 +170,24 @@ class AsyncEngine:
     def _take(self) -> None:
         """Handles one message of the inbox per turn of the event loop. The streams that a
         step's outputs woke run (and write their events to their sockets) before the next
-        step is handled, so when the loop fell behind by several steps each client still gets
-        one event per step, spaced by the front end's work on a step, not all of them at once."""
+        step is handled, so when the loop is a few steps behind each client still gets one
+        event per step, spaced by the front end's work on a step, not all of them at once.
+        More than CATCH_UP_STEPS behind: all of them in this turn (merged per stream)."""
         with self._inbox_lock:
-            msg = self._inbox.popleft()
-        try:
-            if isinstance(msg, StepOutputs):
-                self._on_step(msg)
+            if len(self._inbox) > CATCH_UP_STEPS:
+                msgs = list(self._inbox)
+                self._inbox.clear()
             else:
-                self._on_dead(msg)
+                msgs = [self._inbox.popleft()]
+        try:
+            for msg in msgs:
+                try:
+                    if isinstance(msg, StepOutputs):
+                        self._on_step(msg)
+                    else:
+                        self._on_dead(msg)
+                except Exception:  # noqa: BLE001 - as the loop would: logged, the rest go on
+                    log.exception("handling the engine core's message failed")
         finally:
             with self._inbox_lock:
                 more = self._taking = bool(self._inbox)
@@ -207,9 +233,15 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                # one output per engine step, never merged: a consumer that is behind (an
-                # event loop busy for longer than a step) still sends one SSE event per step
                 item = await stream.get()
+                while not isinstance(item, BaseException) and not stream.empty():
+                    # several steps' outputs queued (the loop caught up on a backlog, see
+                    # _take, or the consumer was stuck on a slow client): one output for all
+                    nxt = stream.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        stream.put_nowait(nxt)  # (nothing follows an error)
+                        break
+                    item = merge_outputs(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
