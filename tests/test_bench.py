@@ -388,6 +388,9 @@ def test_bench_cli_against_stub_server(tmp_path):
         assert r["goodput_requests_per_s"] == pytest.approx(r["request_throughput"])
         assert r["machine"]["cpu_count"] and r["server"]["scraped"] is False
         assert r["client_cpu_s"] > 0 and r["client_cpu_us_per_token_event"] > 0
+        # not a bucketserve server: the header says so instead of guessing
+        assert r["engine"] is None and "engine: not reported" in done.stdout
+        assert r["tokens_per_token_event"] == r["total_output_tokens"] / r["token_events"]
         figs = sorted(p.name for p in (tmp_path / "fig").iterdir())
         assert figs == ["latency_cdf.png", "padding_per_bucket.png", "throughput.png"]
     finally:
@@ -542,3 +545,40 @@ def test_slo_sweep_merge_judges_every_rate_of_every_part(tmp_path):
     assert set(by_rate) == {10.0, 2000.0}
     assert by_rate[2000.0]["throughput_ok"]  # 2,010 vs fixed 0's 2,000
     assert not by_rate[10.0]["throughput_ok"]  # 9 vs 10: outside the 3% tolerance
+
+
+def test_server_summary_reads_engine_info_sse_counts_and_step_time_median():
+    from bucketserve.bench.plots import server_summary
+    from bucketserve.bench.scrape import engine_info, parse_prometheus
+    from bucketserve.engine.stats import EngineStats, StepStats
+    from bucketserve.server.metrics import ServerMetrics
+
+    info = {"model": 'm "1"', "device": "cuda", "dtype": "bfloat16", "quantization": "fp8",
+            "kv_cache_dtype": "fp8"}
+    es = EngineStats()
+    metrics = ServerMetrics(lambda: es, lambda: info)
+
+    def step(ms: float) -> StepStats:
+        return StepStats("decode", 8, 8, 0, 8, 8, 8, 1, 10, 0, 0, 8, ms / 1000)
+
+    def scrape() -> dict[str, float]:
+        return parse_prometheus(metrics.render().decode())
+
+    for ms in (100, 100, 100):  # before the run: far from the run's steps
+        es.record(step(ms))
+    metrics.count_stream("completions", 5, 9)
+    first = scrape()
+    assert engine_info(first) == info  # label values round-trip, quotes included
+    # the run: steps of 2.2 ms (6 of them) and 6 ms (3): the median lies in (2, 2.5] ms
+    for ms in (2.2,) * 6 + (6,) * 3:
+        es.record(step(ms))
+    metrics.count_stream("completions", 10, 12)
+    metrics.count_stream("chat", 4, 4)
+    out = server_summary([(0.0, first), (1.0, scrape())])
+    assert out["engine"] == info and out["engine_steps"] == 9
+    assert (out["sse_token_events"], out["sse_tokens"]) == (14, 16)
+    assert out["sse_tokens_per_event"] == pytest.approx(16 / 14)
+    # rank 4.5 of 9, all 6 below 2.5 ms are in the (2, 2.5] bucket: 2 + 0.5 * 4.5 / 6
+    assert out["engine_step_ms_p50"] == pytest.approx(2.375)
+    assert stats.engine_line(info) == ('engine: model m "1", device cuda, dtype bfloat16, '
+                                       "quantization fp8, kv_cache_dtype fp8")

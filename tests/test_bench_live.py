@@ -42,6 +42,17 @@ def test_replay_against_live_server_logs_the_arrival_pattern(logged_server):
     report = json.loads(out.read_text())
     assert report["completed"] == N and report["total_output_tokens"] == 4 * N
     assert report["server"]["scraped"] is True and report["server"]["engine_steps"] > 0
+    # the header says what ran (the server's bucketserve_engine_info)
+    engine = report["engine"]
+    assert {k: engine[k] for k in ("device", "dtype", "quantization", "kv_cache_dtype")} == {
+        "device": "cpu", "dtype": "float32", "quantization": "none", "kv_cache_dtype": "auto"}
+    assert engine["model"] == report["model"] == report["server"]["engine"]["model"]
+    assert (f"engine: model {engine['model']}, device cpu, dtype float32, quantization none, "
+            "kv_cache_dtype auto") in done.stdout
+    # every token went out in an SSE event, one event per step (the server's own count)
+    assert report["server"]["sse_tokens"] == 4 * N
+    assert N <= report["server"]["sse_token_events"] <= 4 * N
+    assert report["server"]["engine_step_ms_p50"] > 0
 
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert len(lines) == N

@@ -167,6 +167,8 @@ class FakeCore:
     limits = RequestLimits(max_model_len=64, vocab_size=256, num_kv_blocks=8, block_size=16,
                            max_waiting=2, queue_timeout_s=60.0)
     kv_blocks_total = 8
+    info = {"model": "fake", "device": "cpu", "dtype": "float32", "quantization": "none",
+            "kv_cache_dtype": "auto"}
     tokenizer = ByteTokenizer()
 
     def __init__(self) -> None:

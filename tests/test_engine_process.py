@@ -81,6 +81,9 @@ def test_killing_the_core_fails_the_stream_and_the_server_exits_non_zero(server)
 
 
 def test_killing_the_front_end_ends_the_core(server) -> None:
+    # no --api-workers: sized for the CPU engine, and the start-up log says so
+    assert re.search(r"front end: 1 API worker process \(--api-workers auto: cpu engine, \d+ "
+                     r"CPU cores", server.log()), server.log()
     pid = core_pid(server)
     assert not gone(pid)
     server.proc.send_signal(signal.SIGKILL)

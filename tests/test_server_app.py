@@ -50,6 +50,8 @@ class ScriptedEngine:
     def __init__(self, max_waiting: int = 100) -> None:
         self.tokenizer = ByteTokenizer()
         self.model_name = "scripted"
+        self.info = {"model": "scripted", "device": "cpu", "dtype": "float32",
+                     "quantization": "none", "kv_cache_dtype": "auto"}
         self.max_model_len = 128
         self.stats = EngineStats()
         self.pool_tokens = 8 * 16  # a pool of 8 blocks of 16 tokens

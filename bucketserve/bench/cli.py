@@ -149,7 +149,7 @@ def load_requests(args: argparse.Namespace):
 
 async def _bench(args: argparse.Namespace) -> int:
     from bucketserve.bench import runner, stats
-    from bucketserve.bench.scrape import Scraper
+    from bucketserve.bench.scrape import Scraper, engine_info
     from bucketserve.bench.workload import save_trace
 
     host, port = _target(args.base_url)
@@ -172,6 +172,8 @@ async def _bench(args: argparse.Namespace) -> int:
         raise SystemExit("bucketserve bench: give --concurrency C (closed loop), --rate R (open "
                          "loop) or a --trace with arrival times")
     model = args.model or await _model_name(host, port)
+    first = await Scraper(host, port).scrape_once()  # what the server runs, for the header
+    engine = engine_info(first) if first is not None else None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     cfg = runner.RunConfig(host, port, model, stream=not args.no_stream,
                            ignore_eos=not args.no_ignore_eos,
@@ -200,7 +202,8 @@ async def _bench(args: argparse.Namespace) -> int:
         mode += f", at most {args.concurrency} in flight"
     report = {"label": args.label, "base_url": args.base_url, "model": model, "mode": mode,
               "source": args.trace or args.workload or "generated", "workers": args.workers,
-              "stream": cfg.stream, "ignore_eos": cfg.ignore_eos, "started_unix": wall0,
+              "engine": engine, "stream": cfg.stream, "ignore_eos": cfg.ignore_eos,
+              "started_unix": wall0,
               "machine": stats.machine(), **summary, "client_cpu_s": cpu_s,
               "client_cpu_us_per_token_event": 1e6 * cpu_s / max(1, summary["token_events"])}
     if scraper is not None and scraper.samples:
@@ -209,7 +212,8 @@ async def _bench(args: argparse.Namespace) -> int:
         report["server"] = server_summary(scraper.samples)
     elif scraper is not None:
         report["server"] = {"scraped": False, "reason": scraper.reason}
-    print(stats.table(summary, f"bucketserve bench: {mode}, {len(reqs)} requests, {model}"))
+    print(stats.table(summary, f"bucketserve bench: {mode}, {len(reqs)} requests, {model}\n"
+                               + stats.engine_line(engine)))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

@@ -18,7 +18,7 @@ import re
 
 import numpy as np
 
-from bucketserve.bench.scrape import labelled
+from bucketserve.bench.scrape import engine_info, labelled
 
 _LE = re.compile(r'le="([^"]+)"')
 
@@ -81,7 +81,32 @@ def server_summary(samples: list[tuple[float, dict[str, float]]]) -> dict:
     for labels, value in labelled(last, "bucketserve_bucket_steps_total").items():
         steps[labels] = value - labelled(first, "bucketserve_bucket_steps_total").get(labels, 0.0)
     out["bucket_steps"] = {k: v for k, v in steps.items() if v}
+    events = sum(labelled(last, "bucketserve_sse_token_events_total").values()) - sum(
+        labelled(first, "bucketserve_sse_token_events_total").values())
+    tokens = sum(labelled(last, "bucketserve_sse_tokens_total").values()) - sum(
+        labelled(first, "bucketserve_sse_tokens_total").values())
+    out["sse_token_events"], out["sse_tokens"] = events, tokens
+    out["sse_tokens_per_event"] = tokens / events if events else None
+    out["engine_step_ms_p50"] = _quantile_ms(first, last, "bucketserve_engine_step_seconds", 0.5)
+    out["engine"] = engine_info(last)
     return out
+
+
+def _quantile_ms(first: dict, last: dict, name: str, q: float) -> float | None:
+    """The q-quantile (ms) of a histogram's observations between two scrapes, interpolated
+    linearly within its bucket (as Prometheus' histogram_quantile)."""
+    a, b = _hist(first, name), _hist(last, name)
+    les = sorted(le for le in b if le != float("inf"))
+    cum = [b[le] - a.get(le, 0.0) for le in les]
+    total = b.get(float("inf"), 0.0) - a.get(float("inf"), 0.0)
+    if total <= 0:
+        return None
+    rank, lo, below = q * total, 0.0, 0.0
+    for le, c in zip(les, cum, strict=True):
+        if c >= rank:
+            return 1e3 * (lo + (le - lo) * (rank - below) / max(c - below, 1e-12))
+        lo, below = le, c
+    return 1e3 * lo  # in the open top bucket: its lower bound
 
 
 def _plt():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 from bucketserve.bench.http import get
@@ -22,6 +23,20 @@ def parse_prometheus(text: str) -> dict[str, float]:
         except ValueError:
             continue
     return out
+
+
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_UNESCAPE = re.compile(r"\\(.)")
+
+
+def engine_info(sample: dict[str, float]) -> dict[str, str] | None:
+    """The labels of bucketserve_engine_info (model, device, dtype, quantization,
+    kv_cache_dtype), or None for a server that does not export it."""
+    for key in sample:
+        if key.startswith("bucketserve_engine_info{"):
+            return {k: _UNESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), v)
+                    for k, v in _LABEL.findall(key)}
+    return None
 
 
 def labelled(sample: dict[str, float], name: str) -> dict[str, float]:

@@ -81,6 +81,7 @@ def summarize(results: list[dict], duration_s: float, slo: SLO | None = None) ->
                else r["prompt_tokens"] for r in ok]
     tpots = [t for t in (tpot_s(r) for r in gen) if t is not None]
     itls = [x for r in gen for x in r["itl"]]
+    events = int(sum(r.get("chunks") or 0 for r in gen))
     dur = max(duration_s, 1e-9)
     slo = slo or SLO()
     good = [r for r in ok if slo.met(r.get("ttft"), tpot_s(r), r.get("e2e"))]
@@ -95,7 +96,8 @@ def summarize(results: list[dict], duration_s: float, slo: SLO | None = None) ->
         "total_token_throughput": (sum(out_toks) + sum(in_toks)) / dur,
         "total_input_tokens": int(sum(in_toks)),
         "total_output_tokens": int(sum(out_toks)),
-        "token_events": int(sum(r.get("chunks") or 0 for r in gen)),
+        "token_events": events,
+        "tokens_per_token_event": sum(out_toks) / events if events else None,
         "output_ne_max_tokens": sum(1 for r, n in zip(gen, out_toks, strict=True) if n != r["max_tokens"]),
         "ttft_ms": dist_ms([r["ttft"] for r in gen]),
         "tpot_ms": dist_ms(tpots),
@@ -113,6 +115,14 @@ def summarize(results: list[dict], duration_s: float, slo: SLO | None = None) ->
                                                if r["kind"] != "embedding") / dur
         s["slo_attainment"] = len(good) / len(results) if results else None
     return s
+
+
+def engine_line(info: dict[str, str] | None) -> str:
+    """The report header's line on what the server runs (its bucketserve_engine_info)."""
+    if info is None:
+        return "engine: not reported (no bucketserve_engine_info in the server's /metrics)"
+    keys = ("model", "device", "dtype", "quantization", "kv_cache_dtype")
+    return "engine: " + ", ".join(f"{k} {info.get(k, '?')}" for k in keys)
 
 
 def len_inputs(r: dict) -> int:
@@ -158,6 +168,9 @@ def table(s: dict, title: str = "") -> str:
         lines.append(f"goodput req/s {f(s['goodput_requests_per_s'], 2)}   goodput tok/s "
                      f"{f(s['goodput_output_tokens_per_s'])}   SLO attainment "
                      f"{f(100 * (s['slo_attainment'] or 0), 1)}%")
+    if s.get("tokens_per_token_event") is not None:
+        lines.append(f"token events {s['token_events']:,}   tokens per event "
+                     f"{f(s['tokens_per_token_event'], 2)}")
     lines.append(f"{'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     rows = [("TTFT", s["ttft_ms"]), ("TPOT", s["tpot_ms"]), ("ITL", s["itl_ms"]),
             ("E2E", s["e2e_ms"])]

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
@@ -62,6 +64,12 @@ class StalledStreamError(RuntimeError):
     """The request's consumer stopped taking its outputs; the request was aborted."""
 
 
+# More core messages than this waiting when the event loop gets to them (the front end is
+# that many engine steps behind): they are handled in one turn, and each stream sends what they
+# brought it as one event, so that an overloaded front end catches up instead of falling
+# further behind (bucketserve_sse_tokens_total / bucketserve_sse_token_events_total rises
+# above 1). Fewer: one message per turn, one event per step per stream.
+CATCH_UP_STEPS = 4
 # Outputs held for a request whose consumer does not take them (a client that stopped reading
 # blocks its sender): past this many the request is aborted and its stream ends in an error.
 MAX_QUEUED_OUTPUTS = 1024
@@ -81,6 +89,11 @@ class AsyncEngine:
         # the core: the reason to count once the core reports the finish
         self._ended: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # what the core client delivers (StepOutputs, or why it died), in order; `_taking`:
+        # a `_take` is scheduled on the loop
+        self._inbox: deque[StepOutputs | str] = deque()
+        self._inbox_lock = threading.Lock()
+        self._taking = False
         self._started = False
         self._accepting = True
         self._dead_reason: str | None = None
@@ -116,6 +129,11 @@ class AsyncEngine:
         return self.core.model_name
 
     @property
+    def info(self) -> dict[str, str]:
+        """What the core runs: model, device, dtype, quantization, kv_cache_dtype."""
+        return self.core.info
+
+    @property
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 
@@ -142,10 +160,44 @@ class AsyncEngine:
     def start(self) -> None:
         """Call from the event loop that will serve the requests."""
         self._loop = asyncio.get_running_loop()
-        loop = self._loop
-        self.core.start(lambda msg: loop.call_soon_threadsafe(self._on_step, msg),
-                        lambda reason: loop.call_soon_threadsafe(self._on_dead, reason))
+        self.core.start(self._deliver, self._deliver)
         self._started = True
+
+    def _deliver(self, msg: StepOutputs | str) -> None:
+        """From the core client's thread: a step's outputs, or (a str) why the core died."""
+        with self._inbox_lock:
+            self._inbox.append(msg)
+            if self._taking:
+                return
+            self._taking = True
+        self._loop.call_soon_threadsafe(self._take)
+
+    def _take(self) -> None:
+        """Handles one message of the inbox per turn of the event loop. The streams that a
+        step's outputs woke run (and write their events to their sockets) before the next
+        step is handled, so when the loop is a few steps behind each client still gets one
+        event per step, spaced by the front end's work on a step, not all of them at once.
+        More than CATCH_UP_STEPS behind: all of them in this turn (merged per stream)."""
+        with self._inbox_lock:
+            if len(self._inbox) > CATCH_UP_STEPS:
+                msgs = list(self._inbox)
+                self._inbox.clear()
+            else:
+                msgs = [self._inbox.popleft()]
+        try:
+            for msg in msgs:
+                try:
+                    if isinstance(msg, StepOutputs):
+                        self._on_step(msg)
+                    else:
+                        self._on_dead(msg)
+                except Exception:  # noqa: BLE001 - as the loop would: logged, the rest go on
+                    log.exception("handling the engine core's message failed")
+        finally:
+            with self._inbox_lock:
+                more = self._taking = bool(self._inbox)
+            if more:
+                self._loop.call_soon(self._take)  # after the stream tasks this message woke
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stops accepting, lets running requests finish for up to `timeout_s`, aborts the
@@ -188,7 +240,8 @@ class AsyncEngine:
             while True:
                 item = await stream.get()
                 while not isinstance(item, BaseException) and not stream.empty():
-                    # the consumer is behind: hand it every step's news in one output
+                    # several steps' outputs queued (the loop caught up on a backlog, see
+                    # _take, or the consumer was stuck on a slow client): one output for all
                     nxt = stream.get_nowait()
                     if isinstance(nxt, BaseException):
                         stream.put_nowait(nxt)  # (nothing follows an error)

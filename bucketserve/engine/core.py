@@ -80,7 +80,7 @@ class EngineCore:
         e = self.engine
         return CoreReady(model_name=e.model_name, limits=e.limits,
                          kv_blocks_total=e.block_manager.num_usable_blocks,
-                         tokenizer=tokenizer_spec(e.tokenizer), pid=os.getpid())
+                         tokenizer=tokenizer_spec(e.tokenizer), pid=os.getpid(), info=e.info())
 
     def handle(self, msg: CoreInput) -> None:
         if isinstance(msg, AddRequest):

@@ -53,6 +53,7 @@ class CoreClient(Protocol):
     limits: RequestLimits
     kv_blocks_total: int
     tokenizer: object
+    info: dict[str, str]  # LLMEngine.info()
 
     def start(self, deliver: Deliver, died: Died) -> None: ...
     def send(self, msg: CoreInput) -> None: ...
@@ -69,6 +70,7 @@ class ThreadCore:
         self.limits = engine.limits
         self.kv_blocks_total = engine.block_manager.num_usable_blocks
         self.tokenizer = engine.tokenizer
+        self.info = engine.info()
         self._inbox: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._failed = False
@@ -203,6 +205,7 @@ class ProcessCore:
         self.limits = ready.limits
         self.kv_blocks_total = ready.kv_blocks_total
         self.pid = ready.pid
+        self.info = ready.info
         from bucketserve.engine.core import tokenizer_from_spec
 
         self.tokenizer = tokenizer_from_spec(ready.tokenizer)

@@ -158,6 +158,17 @@ class LLMEngine:
         budget = self.buckets.cpu_memory_gib * 2**30
         return max(2, min(int(budget // per_block), useful))
 
+    def info(self) -> dict[str, str]:
+        """What runs, for /metrics (bucketserve_engine_info) and `bucketserve bench`'s report:
+        model, device, dtype, quantization, kv_cache_dtype. The one place that reads the
+        quantization ("none" | "fp8") and the KV cache dtype ("auto" | "fp8") from the config
+        (defaults where a config has no such field)."""
+        b = self.buckets
+        return {"model": self.model_name, "device": self.device.type,
+                "dtype": str(next(self.loaded.model.parameters()).dtype).removeprefix("torch."),
+                "quantization": str(getattr(b, "quantization", "none")),
+                "kv_cache_dtype": str(getattr(b, "kv_cache_dtype", "auto"))}
+
     # ---- requests ----------------------------------------------------------------------
 
     @property

@@ -124,6 +124,7 @@ class CoreReady(msgspec.Struct, tag="ready", array_like=True):
     kv_blocks_total: int
     tokenizer: TokenizerSpec
     pid: int
+    info: dict[str, str] = {}  # LLMEngine.info(): model, device, dtype, quantization, KV dtype
 
 
 class CoreFailed(msgspec.Struct, tag="failed", array_like=True):

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+# upper bounds (seconds) of the engine step-time histogram (/metrics bucketserve_engine_step_seconds)
+STEP_TIME_BOUNDS = tuple(ms / 1000 for ms in (
+    0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 10, 12, 15, 20, 25, 30, 40, 50, 75,
+    100, 150, 200, 300, 500, 1000, 2500))
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,10 @@ class EngineStats:
         self.kind_computed_tokens: Counter[str] = Counter()
         self.kind_padding_tokens: Counter[str] = Counter()
         self.batch_sizes: Counter[tuple[str, int]] = Counter()  # (kind, sequences in the step)
+        # steps per STEP_TIME_BOUNDS bucket (index len(STEP_TIME_BOUNDS): above the last), and
+        # the steps' seconds in all
+        self.step_time_counts: Counter[int] = Counter()
+        self.step_time_sum_s = 0.0
         self.finished: Counter[str] = Counter()
         # also told of every finish (the server's metrics across --api-workers processes)
         self.on_finished: Callable[[str], None] | None = None
@@ -69,6 +79,8 @@ class EngineStats:
             self.kind_computed_tokens[s.kind] += s.computed_tokens
             self.kind_padding_tokens[s.kind] += s.padding_tokens
             self.batch_sizes[(s.kind, s.num_seqs)] += 1
+            self.step_time_counts[bisect_left(STEP_TIME_BOUNDS, s.step_time_s)] += 1
+            self.step_time_sum_s += s.step_time_s
             self.num_waiting, self.num_running = s.num_waiting, s.num_running
             self.kv_blocks_used, self.kv_blocks_total = s.kv_blocks_used, s.kv_blocks_total
 
@@ -123,6 +135,8 @@ class EngineStats:
                 "kind_computed_tokens": dict(self.kind_computed_tokens),
                 "kind_padding_tokens": dict(self.kind_padding_tokens),
                 "batch_sizes": dict(self.batch_sizes),
+                "step_time_counts": dict(self.step_time_counts),
+                "step_time_sum_s": self.step_time_sum_s,
                 "finished": dict(self.finished),
                 "num_waiting": self.num_waiting,
                 "num_running": self.num_running,

@@ -25,6 +25,14 @@ log = logging.getLogger("bucketserve.cpu")
 ENV = "BUCKETSERVE_CPU_AFFINITY"
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _cpus(text: str) -> set[int]:
     out: set[int] = set()
     for part in text.split(","):

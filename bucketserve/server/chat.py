@@ -39,7 +39,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request,
     n_prompt = len(prompt.token_ids)
     if req.stream:
         formatter = _StreamFormatter(ctx, req, n_prompt, request_id)
-        return await stream_response(request, outputs, formatter, ctx.inflight)
+        return await stream_response(request, outputs, formatter, ctx.inflight, ctx.metrics,
+                                     "chat")
     try:
         return await until_disconnect(request, _collect(ctx, req, n_prompt, request_id, outputs))
     except ClientGone:

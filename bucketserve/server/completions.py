@@ -42,7 +42,8 @@ async def create_completion(req: CompletionRequest, request: Request, ctx: Serve
     outputs = run_choices(ctx.engine, jobs, request_id, req.priority, ctx.inflight, ctx.metrics)
     if req.stream:
         formatter = _StreamFormatter(ctx, req, prompts, request_id)
-        return await stream_response(request, outputs, formatter, ctx.inflight)
+        return await stream_response(request, outputs, formatter, ctx.inflight, ctx.metrics,
+                                     "completions")
     try:
         return await until_disconnect(request, _collect(ctx, req, prompts, request_id, outputs))
     except ClientGone:

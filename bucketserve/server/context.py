@@ -20,7 +20,7 @@ class ServerContext:
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(lambda: self.engine.stats)
+        self.metrics = ServerMetrics(lambda: self.engine.stats, lambda: self.engine.info)
         if self.metrics.shared is not None:  # one of several front ends: count across them
             self.engine.stats.on_finished = self.metrics.count_finished
         self.token_text = lru_cache(maxsize=65536)(self._token_text)

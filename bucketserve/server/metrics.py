@@ -33,7 +33,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from bucketserve.engine.outputs import RequestOutput
-from bucketserve.engine.stats import EngineStats
+from bucketserve.engine.stats import STEP_TIME_BOUNDS, EngineStats
 from bucketserve.server.request_log import RequestLog
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -45,11 +45,21 @@ _PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15,
 class EngineStatsCollector(Collector):
     """Exports EngineStats.snapshot() as gauges and counters on every scrape."""
 
-    def __init__(self, get_stats: Callable[[], EngineStats], finished: bool = True) -> None:
+    def __init__(self, get_stats: Callable[[], EngineStats], finished: bool = True,
+                 get_info: Callable[[], dict[str, str]] | None = None) -> None:
         self.get_stats = get_stats
         self.finished = finished  # False: another collector exports the finished requests
+        self.get_info = get_info
 
     def collect(self) -> Iterator[Metric]:
+        if self.get_info is not None:
+            info = self.get_info()
+            labels = sorted(info)
+            family = GaugeMetricFamily(
+                "bucketserve_engine_info", "What the engine runs (always 1): model, device, "
+                "dtype, quantization, kv_cache_dtype.", labels=labels)
+            family.add_metric([info[k] for k in labels], 1)
+            yield family
         snap = self.get_stats().snapshot()
         for name, key, doc in (
             ("bucketserve_requests_running", "num_running", "Sequences in the running set."),
@@ -90,6 +100,7 @@ class EngineStatsCollector(Collector):
                 family.add_metric([kind], count)
             yield family
         yield _batch_size_histogram(snap["batch_sizes"])
+        yield _step_time_histogram(snap["step_time_counts"], snap["step_time_sum_s"])
         if not self.finished:
             return
         finished = CounterMetricFamily("bucketserve_request_success",
@@ -114,13 +125,28 @@ def _batch_size_histogram(counts: dict[tuple[str, int], int]) -> HistogramMetric
     return hist
 
 
+def _step_time_histogram(counts: dict[int, int], total_s: float) -> HistogramMetricFamily:
+    """Engine step times (StepStats.step_time_s: scheduling, launch and, with overlapped
+    scheduling, the wait for the previous step's tokens)."""
+    hist = HistogramMetricFamily("bucketserve_engine_step_seconds",
+                                 "Engine step time as the engine measures it.")
+    running, buckets = 0, []
+    for i, le in enumerate(STEP_TIME_BOUNDS):
+        running += counts.get(i, 0)
+        buckets.append((repr(le), running))
+    buckets.append(("+Inf", running + counts.get(len(STEP_TIME_BOUNDS), 0)))
+    hist.add_metric([], buckets, sum_value=total_s)
+    return hist
+
+
 def multiprocess() -> bool:
     """Whether this process is one of several front ends (`serve --api-workers N`)."""
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
 class ServerMetrics:
-    def __init__(self, get_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, get_stats: Callable[[], EngineStats],
+                 get_info: Callable[[], dict[str, str]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.shared: CollectorRegistry | None = None
         own = self.registry
@@ -134,7 +160,8 @@ class ServerMetrics:
                                "Finished engine requests (one per choice) by finish reason.",
                                ["finish_reason"], registry=None)
             self.finished_by_reason = finished
-        self.registry.register(EngineStatsCollector(get_stats, finished=self.shared is None))
+        self.registry.register(EngineStatsCollector(get_stats, finished=self.shared is None,
+                                                    get_info=get_info))
         self.ttft = Histogram(
             "bucketserve_time_to_first_token_seconds", "Arrival to first generated token.",
             buckets=_LATENCY_BUCKETS, registry=own)
@@ -148,11 +175,26 @@ class ServerMetrics:
         self.queue_time = Histogram(
             "bucketserve_queue_time_seconds", "Arrival to first scheduled step.",
             buckets=_LATENCY_BUCKETS, registry=own)
+        # streamed generation: events that carried tokens, and those tokens (server/streaming.py)
+        self.sse_events = Counter(
+            "bucketserve_sse_token_events",
+            "SSE events sent that carried generated tokens (one per engine step per choice), "
+            "per endpoint.", ["endpoint"], registry=own)
+        self.sse_tokens = Counter(
+            "bucketserve_sse_tokens",
+            "Generated tokens sent in SSE events, per endpoint; divided by "
+            "bucketserve_sse_token_events_total: tokens per event.", ["endpoint"], registry=own)
         self.request_log: RequestLog | None = None  # `serve --request-log FILE`
 
     def count_finished(self, reason: str) -> None:
         """EngineStats.on_finished in multiprocess mode."""
         self.finished_by_reason.labels(reason).inc()
+
+    def count_stream(self, endpoint: str, events: int, tokens: int) -> None:
+        """A stream's token events and their tokens (counted once, when it ends)."""
+        if events:
+            self.sse_events.labels(endpoint).inc(events)
+            self.sse_tokens.labels(endpoint).inc(tokens)
 
     def observe_finished(self, out: RequestOutput) -> None:
         if self.request_log is not None:

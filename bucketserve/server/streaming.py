@@ -10,9 +10,17 @@ an APIError.
 
 This is the per-token path of the server, so it is lean (bench/frontend_capacity.py
 measures it): chunks are encoded straight to bytes (msgspec), everything one engine output
-makes is one ASGI send (one HTTP chunk), a stream that fell behind gets the queued outputs
-merged into one (AsyncEngine.generate), and `SSEResponse` is a plain ASGI response rather
-than sse-starlette's (which wrapped every send in its own cancel scope). One background
+makes is one ASGI send (one HTTP chunk, written to the socket at once: no timer, no
+coalescing), and `SSEResponse` is a plain ASGI response rather than sse-starlette's (which
+wrapped every send in its own cancel scope).
+
+One event per engine step per choice: AsyncEngine.generate hands over each step's output on
+its own, also to a stream that fell behind, so a client's inter-token gaps show the engine's
+steps (or the front end's own delay), not a merge. An output whose text is held back (a
+partial character, a possible stop-string prefix) makes no event; its tokens go out with the
+next. /metrics counts, per endpoint, the events that carried tokens and the tokens they
+carried (bucketserve_sse_token_events_total, bucketserve_sse_tokens_total; the ratio is
+tokens per event). One background
 task per stream watches for the client's disconnect; a timer sends a keep-alive comment
 after PING_S idle seconds and ends a stream whose send has been stuck for SEND_TIMEOUT_S.
 
@@ -38,6 +46,7 @@ from starlette.types import Receive, Scope, Send
 from bucketserve.engine.outputs import RequestOutput
 from bucketserve.server.errors import APIError
 from bucketserve.server.generation import ClientGone, InFlight, finish_error, until_disconnect
+from bucketserve.server.metrics import ServerMetrics
 
 PING_S = 15  # keep-alive comment lines for proxies; clients ignore them
 # A send that the client does not take within this time ends the stream (and, through the
@@ -130,8 +139,11 @@ async def stream_response(
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     formatter: ChunkFormatter,
     inflight: InFlight,
+    metrics: ServerMetrics,
+    endpoint: str,
 ) -> Response:
-    """Waits for the first output (watching the client), then streams the rest as SSE."""
+    """Waits for the first output (watching the client), then streams the rest as SSE;
+    `endpoint` labels the stream's events in `metrics`."""
     try:
         first = await until_disconnect(request, anext(outputs))
     except ClientGone:
@@ -143,7 +155,7 @@ async def stream_response(
     if err is not None:
         await outputs.aclose()
         return err.response()
-    return SSEResponse(_events(first, outputs, formatter, inflight))
+    return SSEResponse(_events(first, outputs, formatter, inflight, metrics, endpoint))
 
 
 async def _events(
@@ -151,7 +163,11 @@ async def _events(
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     formatter: ChunkFormatter,
     inflight: InFlight,
+    metrics: ServerMetrics,
+    endpoint: str,
 ) -> AsyncIterator[bytes]:
+    pending: dict[int, int] = {}  # choice -> tokens not yet sent (text held back)
+    events = tokens = 0
     try:
         opening = b"".join(_event(chunk) for chunk in formatter.opening())
         index, out = first
@@ -160,7 +176,14 @@ async def _events(
             if err is not None:
                 yield opening + _event(err.body()) + DONE
                 return
-            data = opening + b"".join(_event(c) for c in formatter.on_output(index, out))
+            chunks = formatter.on_output(index, out)
+            held = pending.get(index, 0) + len(out.new_token_ids)
+            if chunks and held:
+                events += 1
+                tokens += held
+                held = 0
+            pending[index] = held
+            data = opening + b"".join(_event(c) for c in chunks)
             opening = b""
             if data:
                 yield data
@@ -175,5 +198,6 @@ async def _events(
     finally:
         # Cancellation (client gone) is level-triggered under anyio: shield the cleanup.
         with anyio.CancelScope(shield=True):
+            metrics.count_stream(endpoint, events, tokens)
             async with aclosing(outputs):
                 pass

@@ -28,7 +28,7 @@ front end sustains on a CPU). So the front end can run in N processes:
   CUDA each process captures its own graphs), so the N front ends also share the
   /v1/embeddings work: each batches the requests of its own connections (batches are up to
   N times smaller at the same load; on a GPU the host side, not the device, was the limit).
-  On the CPU each worker's encoder gets cpu_count / N torch threads. The embedding series of
+  On the CPU each worker's encoder gets cores / N torch threads. The embedding series of
   /metrics (bucketserve_embedding_*) are those of the worker that answers the scrape, and
   each embeddings response names its worker in the header X-Bucketserve-Worker.
 """
@@ -169,11 +169,12 @@ def run_worker(args: argparse.Namespace, index: int, directory: str, core_pid: i
     from bucketserve.buckets import ConfigError, load_buckets
     from bucketserve.engine.async_engine import AsyncEngine
     from bucketserve.engine.core_client import CoreStartError, ProcessCore
+    from bucketserve.kernels.cpu_threads import usable_cores
     from bucketserve.server.protocol import set_worker_id_tag
 
     embeds = args.embedding_model.lower() != "none"
     # no generation work here; the embedding encoder's share of the cores on a CPU
-    threads = max(1, (os.cpu_count() or 1) // args.api_workers)
+    threads = max(1, usable_cores() // args.api_workers)
     torch.set_num_threads(threads if embeds and args.device == "cpu" else 1)
     set_worker_id_tag(index)
     try:
