@@ -160,14 +160,11 @@ class LLMEngine:
 
     def info(self) -> dict[str, str]:
         """What runs, for /metrics (bucketserve_engine_info) and `bucketserve bench`'s report:
-        model, device, dtype, quantization, kv_cache_dtype. The one place that reads the
-        quantization ("none" | "fp8") and the KV cache dtype ("auto" | "fp8") from the config
-        (defaults where a config has no such field)."""
-        b = self.buckets
+        model, device, dtype, quantization ("none" | "fp8") and kv_cache_dtype ("auto" |
+        "fp8"), the last two from the quantization plan resolved at start-up."""
         return {"model": self.model_name, "device": self.device.type,
                 "dtype": str(next(self.loaded.model.parameters()).dtype).removeprefix("torch."),
-                "quantization": str(getattr(b, "quantization", "none")),
-                "kv_cache_dtype": str(getattr(b, "kv_cache_dtype", "auto"))}
+                "quantization": self.quant.weights, "kv_cache_dtype": self.quant.kv_cache}
 
     # ---- requests ----------------------------------------------------------------------
 
