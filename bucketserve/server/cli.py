@@ -75,11 +75,52 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP front-end processes sharing the port (SO_REUSEPORT), all fed by the "
                         "one engine core; 'auto': one per 4 CPU cores, at most 8. With embeddings, "
                         "each worker loads its own encoder and batches its own requests")
+    add_ray_options(s)
     from bucketserve.bench.cli import add_bench_parser, add_tune_parser
 
     add_bench_parser(sub)
     add_tune_parser(sub)
     return parser
+
+
+def add_ray_options(s: argparse.ArgumentParser) -> None:
+    """Scale-out on Ray Serve (server/ray_deploy.py, docs/ray.md; needs `pip install .[ray]`)."""
+    g = s.add_argument_group("Ray Serve (scale-out; docs/ray.md)")
+    g.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
+                   help="serve through Ray Serve with N engine replicas (each its own engine "
+                        "core, KV pool and device share) behind this one endpoint")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --replicas: join this Ray cluster (e.g. 10.0.0.1:6379) instead "
+                        "of starting a local Ray instance")
+    g.add_argument("--min-replicas", type=_non_negative_int, default=None, metavar="A",
+                   help="with --replicas: autoscale between A and --max-replicas replicas")
+    g.add_argument("--max-replicas", type=_positive_int, default=None, metavar="B",
+                   help="with --replicas: autoscale up to B replicas")
+    g.add_argument("--gpus-per-replica", type=float, default=1.0,
+                   help="with --replicas and --device cuda: GPUs per replica (0.5: two share one)")
+    g.add_argument("--cpus-per-replica", type=float, default=1.0,
+                   help="with --replicas: CPU cores Ray reserves per replica")
+    g.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="with --replicas: requests Ray queues when every replica is full, "
+                        "beyond which it answers 503 + Retry-After; default: the buckets "
+                        "TOML's scheduler.max_waiting; -1: no limit")
+    g.add_argument("--proxy-location", choices=("HeadOnly", "EveryNode"), default=None,
+                   help="with --replicas: where Ray Serve runs HTTP proxies; default HeadOnly "
+                        "for a local Ray instance, EveryNode with --ray-address")
+
+
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def _non_negative_int(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value!r}")
+    return n
 
 
 def _api_workers(value: str) -> int:
@@ -144,6 +185,16 @@ def serve(args: argparse.Namespace) -> int:
     from bucketserve.engine.core_client import CoreStartError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from installed packages only
+    if args.replicas is not None or args.ray_address is not None:
+        try:
+            from bucketserve.server.ray_deploy import serve_ray
+        except ImportError as exc:
+            print(f"bucketserve: error: --replicas needs Ray Serve (pip install "
+                  f"'bucketserve[ray]'): {exc}", file=sys.stderr)
+            return 2
+        if args.replicas is None:
+            args.replicas = 1
+        return serve_ray(args)
     if args.api_workers > 1:
         from bucketserve.server.workers import serve_workers
 
