@@ -109,6 +109,13 @@ def start_ray_server(workdir: Path) -> LiveServer:
                        "--embedding-model", "all-minilm-l6-v2",
                        env={"RAY_USAGE_STATS_ENABLED": "0"})
     srv.metrics_lag_s = RAY_METRICS_LAG_S
+    # /health answers once one replica is up; wait for both (each pushes its /metrics)
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    while len(set(re.findall(r'replica="([^"]+)"', httpx.get(srv.base_url + "/metrics").text))) < 2:
+        if time.monotonic() > deadline:
+            srv.stop()
+            raise RuntimeError(f"the second replica did not start:\n{srv.log()}")
+        time.sleep(0.5)
     return srv
 
 

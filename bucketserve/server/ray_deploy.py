@@ -41,6 +41,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import Message, Receive, Scope, Send
@@ -55,6 +56,10 @@ STALE_S = 5.0  # a replica whose metrics are older than this is gone (left out o
 HEALTH_PERIOD_S = 1.0
 HEALTH_TIMEOUT_S = 30.0
 REPLICA_FAILED = "the replica serving this request failed; retry"
+# A request whose replica died before it answered anything goes to another replica, up to
+# this many tries in all (nothing reached the client, so nothing is sent twice).
+RETRIES = 3
+REPLICA_GONE = (RayActorError, ActorUnavailableError)
 APP_NAME = "bucketserve"
 
 
@@ -261,6 +266,20 @@ class Ingress:
             await send({"type": "http.response.body", "body": merge_metrics(texts)})
             return
         request = Forwarded(forwarded_scope(scope), body, prompt_text(body))
+        for attempt in range(1, RETRIES + 1):
+            started = await self.forward_once(request, scope, receive, send,
+                                              last=attempt == RETRIES)
+            if started:
+                return
+            log.warning("%s %s: its replica died before answering; retrying on another "
+                        "(attempt %d of %d)", scope["method"], scope["path"], attempt + 1,
+                        RETRIES)
+
+    async def forward_once(self, request: Forwarded, scope: Scope, receive: Receive,
+                           send: Send, last: bool) -> bool:
+        """One try on one replica. False: the replica died before the response started
+        (nothing was sent; the caller tries again); else it answered, or the client got an
+        error body or SSE error event."""
         stream = self.engine.remote(request)
         started = sse = False
         try:
@@ -277,6 +296,8 @@ class Ingress:
                              "server_overloaded")
             await err.response()(scope, receive, send)
         except Exception as exc:  # noqa: BLE001 - the replica died or failed mid-request
+            if not started and not last and isinstance(exc, REPLICA_GONE):
+                return False
             log.warning("request %s %s failed on its replica: %s", scope["method"],
                         scope["path"], exc)
             err = APIError(503, REPLICA_FAILED, "server_error", None, "replica_failed",
@@ -290,6 +311,7 @@ class Ingress:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             stream.cancel()
+        return True
 
 
 async def lifespan(receive: Receive, send: Send) -> None:
@@ -379,7 +401,8 @@ def serve_ray(args: argparse.Namespace) -> int:
     (replicas drain for --shutdown-timeout seconds) and exits 0."""
     import ray
 
-    init: dict[str, Any] = {"address": args.ray_address, "log_to_driver": True}
+    # "local": a new instance even when this machine already runs a `ray start` cluster
+    init: dict[str, Any] = {"address": args.ray_address or "local", "log_to_driver": True}
     if args.ray_address is None:
         init["include_dashboard"] = False
     ray.init(**init)
