@@ -93,6 +93,52 @@ class LiveServer:
         return self.proc.returncode
 
 
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for_replicas(srv: LiveServer, n: int) -> None:
+    """/health answers once one Ray replica is up; waits until n replicas push /metrics."""
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    while len(set(re.findall(r'replica="([^"]+)"', httpx.get(srv.base_url + "/metrics").text))) < n:
+        if time.monotonic() > deadline:
+            srv.stop()
+            raise RuntimeError(f"{n} replicas did not start:\n{srv.log()}")
+        time.sleep(0.5)
+
+
 RAY_API_KEY = "test-key"
 # One Ray endpoint for every Ray test (tests/conftest.py: ray_server): small KV pools, and
 # embedding batches of 4 that wait up to 1 s for more inputs (test_embeddings_server.py).
@@ -109,13 +155,7 @@ def start_ray_server(workdir: Path) -> LiveServer:
                        "--embedding-model", "all-minilm-l6-v2",
                        env={"RAY_USAGE_STATS_ENABLED": "0"})
     srv.metrics_lag_s = RAY_METRICS_LAG_S
-    # /health answers once one replica is up; wait for both (each pushes its /metrics)
-    deadline = time.monotonic() + STARTUP_LIMIT_S
-    while len(set(re.findall(r'replica="([^"]+)"', httpx.get(srv.base_url + "/metrics").text))) < 2:
-        if time.monotonic() > deadline:
-            srv.stop()
-            raise RuntimeError(f"the second replica did not start:\n{srv.log()}")
-        time.sleep(0.5)
+    wait_for_replicas(srv, 2)
     return srv
 
 

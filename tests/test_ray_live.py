@@ -14,11 +14,10 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
-from server_launch import RAY_API_KEY, LiveServer
+from server_launch import RAY_API_KEY, LiveServer, alive, children, cmdline, descendants
 
 AUTH = {"Authorization": f"Bearer {RAY_API_KEY}"}
 STREAMS = 32
@@ -26,47 +25,16 @@ REPLICA_TITLE = "ray::ServeReplica:bucketserve:EngineReplica"
 RECOVERY_LIMIT_S = 300.0  # a replica's restart on a busy 2-core machine; a bound
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        kids = children(todo.pop())
-        found += kids
-        todo += kids
-    return found
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def engine_replicas(server: LiveServer) -> dict[int, int | None]:
     """Replica actor pid -> its engine-core child's pid (None while it has none), for the
     replicas of this server's own Ray instance (its process tree)."""
+    return replicas_under(server.proc.pid)
+
+
+def replicas_under(root: int) -> dict[int, int | None]:
+    """Engine replica actor pid -> engine-core child pid, among `root`'s descendants."""
     out = {}
-    for pid in descendants(server.proc.pid):
+    for pid in descendants(root):
         if cmdline(pid).startswith(REPLICA_TITLE):
             cores = [c for c in children(pid) if "multiprocessing.spawn" in cmdline(c)]
             out[pid] = cores[0] if cores else None
