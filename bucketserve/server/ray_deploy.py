@@ -292,8 +292,8 @@ class Ingress:
         except BackPressureError:
             if started:
                 raise
-            err = overloaded("every replica is busy and the queue is full; retry later",
-                             "server_overloaded")
+            err = overloaded("every replica is busy and Ray's queue is full; retry later",
+                             "queue_full")
             await err.response()(scope, receive, send)
         except Exception as exc:  # noqa: BLE001 - the replica died or failed mid-request
             if not started and not last and isinstance(exc, REPLICA_GONE):
