@@ -141,3 +141,32 @@ def test_serve_args_refuses_an_unknown_option() -> None:
     assert serve_args({"replicas": 3}).replicas == 3
     with pytest.raises(ValueError, match="replicaz"):
         serve_args({"replicaz": 3})
+
+
+def test_the_committed_serve_config_builds_the_application() -> None:
+    """examples/ray_serve_config.yaml is a valid Serve config and its args make the app."""
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from bucketserve.deploy import build_app
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "ray_serve_config.yaml"
+    config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    (app,) = config.applications
+    assert app.import_path == "bucketserve.deploy:build_app"
+    built = build_app(app.args)
+    engine = built._bound_deployment.init_args[0]._bound_deployment  # the ingress binds it
+    assert engine._deployment_config.autoscaling_config.max_replicas == 4
+    assert engine.ray_actor_options["num_gpus"] == 1
+
+
+def test_serve_run_strings_are_typed_as_the_cli_does() -> None:
+    """`serve run bucketserve.deploy:build_app replicas=3 ...` passes strings."""
+    from bucketserve.deploy import build_app
+
+    built = build_app({"replicas": "3", "cpus_per_replica": "0.5", "embedding_model": "none"})
+    engine = built._bound_deployment.init_args[0]._bound_deployment
+    assert engine._deployment_config.num_replicas == 3
+    assert engine.ray_actor_options["num_cpus"] == 0.5

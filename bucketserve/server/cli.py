@@ -104,6 +104,11 @@ def add_ray_options(s: argparse.ArgumentParser) -> None:
                    help="with --replicas: requests Ray queues when every replica is full, "
                         "beyond which it answers 503 + Retry-After; default: the buckets "
                         "TOML's scheduler.max_waiting; -1: no limit")
+    g.add_argument("--request-router", default=None, metavar="MODULE:CLASS",
+                   help="with --replicas: a Ray Serve RequestRouter class instead of Ray's "
+                        "power-of-two-choices (e.g. ray.serve.llm.request_router:"
+                        "PrefixCacheAffinityRouter, which needs ray[llm]; it reads the prompt "
+                        "the ingress hands along)")
     g.add_argument("--proxy-location", choices=("HeadOnly", "EveryNode"), default=None,
                    help="with --replicas: where Ray Serve runs HTTP proxies; default HeadOnly "
                         "for a local Ray instance, EveryNode with --ray-address")

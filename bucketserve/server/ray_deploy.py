@@ -360,6 +360,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             "target_ongoing_requests": running}
     else:
         options["num_replicas"] = ns.replicas
+    if ns.request_router:  # e.g. ray.serve.llm.request_router:PrefixCacheAffinityRouter
+        options["request_router_config"] = {"request_router_class": ns.request_router}
     hub = serve.deployment(MetricsHub, ray_actor_options={"num_cpus": 0},
                            logging_config={"enable_access_log": False}).bind()
     engine = serve.deployment(EngineReplica).options(**options).bind(vars(ns), hub)
