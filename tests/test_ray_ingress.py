@@ -170,3 +170,12 @@ def test_serve_run_strings_are_typed_as_the_cli_does() -> None:
     engine = built._bound_deployment.init_args[0]._bound_deployment
     assert engine._deployment_config.num_replicas == 3
     assert engine.ray_actor_options["num_cpus"] == 0.5
+
+
+def test_autoscaling_bounds_alone_select_ray_and_are_checked(capsys) -> None:
+    """--min/--max-replicas without --replicas still mean Ray (never a silent single server);
+    bounds the wrong way round are refused before anything starts."""
+    from bucketserve.server.cli import main
+
+    assert main(["serve", "--min-replicas", "3", "--max-replicas", "2"]) == 2
+    assert "--min-replicas 3 is over --max-replicas 2" in capsys.readouterr().err

@@ -190,16 +190,9 @@ def serve(args: argparse.Namespace) -> int:
     from bucketserve.engine.core_client import CoreStartError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from installed packages only
-    if args.replicas is not None or args.ray_address is not None:
-        try:
-            from bucketserve.server.ray_deploy import serve_ray
-        except ImportError as exc:
-            print(f"bucketserve: error: --replicas needs Ray Serve (pip install "
-                  f"'bucketserve[ray]'): {exc}", file=sys.stderr)
-            return 2
-        if args.replicas is None:
-            args.replicas = 1
-        return serve_ray(args)
+    ray_options = (args.replicas, args.ray_address, args.min_replicas, args.max_replicas)
+    if any(v is not None for v in ray_options):
+        return serve_on_ray(args)
     if args.api_workers > 1:
         from bucketserve.server.workers import serve_workers
 
@@ -225,6 +218,24 @@ def serve(args: argparse.Namespace) -> int:
 
         apply_frontend_layout()  # BUCKETSERVE_CPU_AFFINITY; the core pinned itself
     return run_http(args, engine, add_ons)
+
+
+def serve_on_ray(args: argparse.Namespace) -> int:
+    """--replicas / --ray-address / --min-replicas / --max-replicas: Ray Serve (ray_deploy.py)."""
+    try:
+        from bucketserve.server.ray_deploy import serve_ray
+    except ImportError as exc:
+        print(f"bucketserve: error: --replicas needs Ray Serve (pip install "
+              f"'bucketserve[ray]'): {exc}", file=sys.stderr)
+        return 2
+    if args.replicas is None:
+        args.replicas = max(1, args.min_replicas or 1)
+    if (args.min_replicas is not None and args.max_replicas is not None
+            and args.min_replicas > args.max_replicas):
+        print(f"bucketserve: error: --min-replicas {args.min_replicas} is over --max-replicas "
+              f"{args.max_replicas}", file=sys.stderr)
+        return 2
+    return serve_ray(args)
 
 
 def run_http(args: argparse.Namespace, engine, add_ons: list[AddOn],
