@@ -75,3 +75,15 @@ def tiny_llama_dir(tmp_path_factory, hf_tokenizer) -> Path:
     model.save_pretrained(path)
     hf_tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def ray_server(tmp_path_factory):
+    """One Ray Serve endpoint (2 engine replicas, embeddings on) shared by every Ray test:
+    Ray's own start and two model loads are the slow part. Skipped without ray."""
+    pytest.importorskip("ray.serve")
+    from bucketserve.bench.launch import start_ray_server
+
+    srv = start_ray_server(tmp_path_factory.mktemp("ray"))
+    yield srv
+    srv.stop(180)

@@ -12,7 +12,7 @@ import openai
 import pytest
 from conftest import minilm_dir
 
-from bucketserve.bench.launch import LiveServer, start_server
+from bucketserve.bench.launch import RAY_API_KEY, LiveServer, start_server
 
 MIN_COSINE = 0.9999
 API_KEY = "emb-key"
@@ -24,8 +24,13 @@ TEXTS = ["The quick brown fox.", "Schnelle braune Füchse springen.", "🚀🎉 
          "東京は日本の首都です。", "one", "a rather longer sentence about embeddings and batching"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> LiveServer:
+@pytest.fixture(scope="module", params=["single", "ray"])
+def server(request, tmp_path_factory) -> LiveServer:
+    """The single server, and the Ray Serve endpoint (2 replicas, the same [embedding] keys;
+    tests/conftest.py ray_server)."""
+    if request.param == "ray":
+        yield request.getfixturevalue("ray_server")
+        return
     srv = start_server(tmp_path_factory.mktemp("emb-live"), "emb", BUCKETS, "--api-key",
                        API_KEY, "--embedding-model", "all-minilm-l6-v2")
     yield srv
@@ -34,7 +39,7 @@ def server(tmp_path_factory) -> LiveServer:
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return server.openai_client(API_KEY)
+    return server.openai_client(RAY_API_KEY if server.metrics_lag_s else API_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
-from bucketserve.bench.launch import LiveServer, start_server
+from bucketserve.bench.launch import RAY_API_KEY, RAY_MAX_BODY, LiveServer, start_server
 
-API_KEY = "test-key"
-MAX_BODY = 100_000
+API_KEY = RAY_API_KEY  # the Ray endpoint (conftest.py ray_server) is started with these
+MAX_BODY = RAY_MAX_BODY
 PROMPT = "The three primary colors are"
 CHAT = [{"role": "user", "content": "Name a fruit."}]
 # A small KV pool (about 2300 tokens) keeps the server's memory low on a shared machine.
@@ -26,8 +26,13 @@ BUCKETS = "[kv_cache]\ncpu_memory_gib = 0.1\n"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> LiveServer:
+@pytest.fixture(scope="session", params=["single", "ray"])
+def server(request, tmp_path_factory) -> LiveServer:
+    """The single server, and the same tests against the Ray Serve endpoint (2 replicas;
+    tests/conftest.py ray_server, started with the same key and body limit)."""
+    if request.param == "ray":
+        yield request.getfixturevalue("ray_server")
+        return
     srv = start_server(tmp_path_factory.mktemp("live"), "live", BUCKETS, "--api-key", API_KEY,
                        "--max-body-bytes", str(MAX_BODY))
     yield srv
@@ -70,8 +75,10 @@ def chat_stream_text(chunks) -> tuple[dict[int, str], dict[int, str | None], lis
 
 # ------------------------------------------------------------------------- openai client
 def test_models_lists_the_served_model(client, server) -> None:
-    models = client.models.list().data
-    assert len(models) == 1 and models[0].id == "smollm2-135m-instruct"
+    models = [m.id for m in client.models.list().data]
+    # the Ray endpoint (shared with test_embeddings_server.py) serves embeddings as well
+    expected = ["smollm2-135m-instruct"] + (["all-minilm-l6-v2"] if server.metrics_lag_s else [])
+    assert models == expected
     assert httpx.get(server.base_url + "/health").status_code == 200
 
 

@@ -47,18 +47,25 @@ class LiveServer:
     proc: subprocess.Popen
     base_url: str
     log_path: Path
+    # Ray endpoint (--replicas): its /metrics merges the replicas' pushes, each up to
+    # ray_deploy.PUSH_S old; metrics() waits this long first so that it sees the present.
+    metrics_lag_s: float = 0.0
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def metrics(self) -> dict[str, float]:
-        """Sample name (with labels) -> value, from GET /metrics."""
+        """Sample name (with labels) -> value, from GET /metrics; the samples of a Ray
+        endpoint's replicas (label `replica`) are summed."""
+        time.sleep(self.metrics_lag_s)
         text = httpx.get(self.base_url + "/metrics", timeout=30).text
-        values = {}
+        values: dict[str, float] = {}
         for line in text.splitlines():
             m = re.match(r"^([a-zA-Z_:][^ ]*) ([^ ]+)$", line)
             if m:
-                values[m.group(1)] = float(m.group(2))
+                name = re.sub(r'\{\}$', "", re.sub(r',?replica="[^"]*"', "", m.group(1)))
+                name = name.replace("{,", "{")
+                values[name] = values.get(name, 0.0) + float(m.group(2))
         return values
 
     def openai_client(self, api_key: str, timeout: float = 300):
@@ -91,6 +98,72 @@ class LiveServer:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for_replicas(srv: LiveServer, n: int) -> None:
+    """/health answers once one Ray replica is up; waits until n replicas push /metrics."""
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    while len(set(re.findall(r'replica="([^"]+)"', httpx.get(srv.base_url + "/metrics").text))) < n:
+        if time.monotonic() > deadline:
+            srv.stop()
+            raise RuntimeError(f"{n} replicas did not start:\n{srv.log()}")
+        time.sleep(0.5)
+
+
+RAY_API_KEY = "test-key"
+# One Ray endpoint for every Ray test (tests/conftest.py: ray_server): small KV pools, and
+# embedding batches of 4 that wait up to 1 s for more inputs (test_embeddings_server.py).
+RAY_BUCKETS = ("[kv_cache]\ncpu_memory_gib = 0.1\n"
+               "[embedding]\npreferred_batch_size = 4\nmax_queue_delay_ms = 1000.0\n")
+RAY_MAX_BODY = 100_000
+RAY_METRICS_LAG_S = 1.2  # twice ray_deploy.PUSH_S, and some
+
+
+def start_ray_server(workdir: Path) -> LiveServer:
+    """`bucketserve serve --replicas 2` on a local Ray instance, one CPU core per replica."""
+    srv = start_server(workdir, "ray", RAY_BUCKETS, "--replicas", "2", "--cpus-per-replica",
+                       "1", "--api-key", RAY_API_KEY, "--max-body-bytes", str(RAY_MAX_BODY),
+                       "--embedding-model", "all-minilm-l6-v2",
+                       env={"RAY_USAGE_STATS_ENABLED": "0"})
+    srv.metrics_lag_s = RAY_METRICS_LAG_S
+    wait_for_replicas(srv, 2)
+    return srv
 
 
 def start_server(workdir: Path, name: str, buckets_toml: str, *extra_args: str,

@@ -16,95 +16,16 @@ import logging
 import os
 import signal
 import sys
-import time
 from types import FrameType
 
 from bucketserve.engine.faults import Seams
 from bucketserve.kernels.cpu_threads import usable_cores
-from bucketserve.server.app import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_MAX_BODY_BYTES,
-    ENGINE_STOP_S,
-    AddOn,
-    begin_drain,
-    create_app,
-)
+from bucketserve.server.app import ENGINE_STOP_S, AddOn, begin_drain, create_app
+from bucketserve.server.options import DTYPES, build_parser  # noqa: F401 (the CLI's API)
+from bucketserve.server.startup import check_quantization, load_add_ons, load_engine
 
 log = logging.getLogger("bucketserve.server")
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bucketserve", description="bucketserve inference server")
-    sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    s.add_argument("--host", default="127.0.0.1", help="address to bind")
-    s.add_argument("--port", type=int, default=8000, help="TCP port to bind")
-    s.add_argument("--model", default="smollm2-135m-instruct",
-                   help="generative model: a registry name, a Hugging Face directory or a .gguf file")
-    s.add_argument("--embedding-model", default="all-minilm-l6-v2",
-                   help="model for /v1/embeddings; 'none' disables the endpoint")
-    s.add_argument("--buckets", default=None, metavar="FILE",
-                   help="buckets / scheduler TOML; default: the file shipped in the package")
-    s.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    s.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="weights and KV cache dtype; auto = float32 on cpu, bfloat16 on cuda")
-    s.add_argument("--quantization", choices=("none", "fp8"), default=None,
-                   help="decoder projections in FP8 (W8A8; GPUs of compute capability >= 8.9); "
-                        "default: the buckets file's model.quantization (none)")
-    s.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default=None,
-                   help="KV pool element type; auto = --dtype; default: the buckets file's "
-                        "kv_cache.dtype (auto)")
-    s.add_argument("--embedding-dtype", choices=DTYPES, default=None,
-                   help="embedding encoder dtype; default: --dtype, where auto = float32 on cpu, "
-                        "float16 on cuda")
-    s.add_argument("--api-key", default=os.environ.get("BUCKETSERVE_API_KEY"),
-                   help="when set, every /v1 route needs 'Authorization: Bearer KEY' "
-                        "(falls back to $BUCKETSERVE_API_KEY)")
-    s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="larger request bodies are refused with 413")
-    s.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-                   help="seconds a client gets to send its whole request body (else 408)")
-    s.add_argument("--log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug"))
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds running requests get to finish after SIGTERM before they are aborted")
-    s.add_argument("--engine-in-process", action="store_true",
-                   help="run the engine core in a thread of the HTTP server's process instead of "
-                        "its own process")
-    s.add_argument("--request-log", default=None, metavar="FILE",
-                   help="append one JSON line per finished request (timings, lengths, bucket)")
-    s.add_argument("--request-log-text", action="store_true",
-                   help="with --request-log: also log the generated text (never logged otherwise)")
-    s.add_argument("--nvtx", action="store_true", help="NVTX range per engine step (cuda; for Nsight Systems)")
-    s.add_argument("--api-workers", type=_api_workers, default="auto", metavar="N",
-                   help="HTTP front-end processes sharing the port (SO_REUSEPORT), all fed by the "
-                        "one engine core; 'auto': sized from the device and the CPU cores (see "
-                        "frontend_workers; the start-up log says how many and why). With "
-                        "embeddings, each worker loads its own encoder and batches its own requests")
-    from bucketserve.bench.cli import add_bench_parser, add_tune_parser
-
-    add_bench_parser(sub)
-    add_tune_parser(sub)
-    return parser
-
-
-def _api_workers(value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
-    return n
-
-
-# cuda, `auto`: one front-end process per this many cores, at most CUDA_MAX_FRONT_ENDS. H200
-# host, 16 cores, 135M shape at 256 streams: 1 front end 20k output tok/s, 4 front ends 47k.
 CORES_PER_FRONT_END = 4
 CUDA_MAX_FRONT_ENDS = 4
 
@@ -139,71 +60,6 @@ def resolve_api_workers(args: argparse.Namespace) -> None:
              "" if args.api_workers == 1 else "es", why)
 
 
-def _torch_dtype(name: str, device: str):
-    import torch
-
-    if name == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def check_quantization(args: argparse.Namespace) -> None:
-    """FP8 (--quantization / --kv-cache-dtype, or the buckets file's keys) on the CPU is
-    refused here, before a process starts (a one-line ValueError); on a GPU the core process
-    checks the device's compute capability (kernels/quant.resolve_quant_plan)."""
-    if args.device == "cuda":
-        return
-    from bucketserve.buckets import load_buckets
-    from bucketserve.kernels.quant import resolve_quant_plan
-
-    b = load_buckets(args.buckets)
-    resolve_quant_plan(args.device, args.quantization or b.quantization,
-                       args.kv_cache_dtype or b.kv_cache_dtype)
-
-
-def load_engine(args: argparse.Namespace, seams: Seams | None = None):
-    """The engine core (its own process unless --engine-in-process), loaded and warmed up,
-    and the buckets config; returns a started-not-yet AsyncEngine. `seams`: what a test or
-    benchmark passes in (engine/faults.py; None in production)."""
-    from bucketserve.buckets import load_buckets
-    from bucketserve.engine.async_engine import AsyncEngine
-    from bucketserve.engine.core import build_engine
-
-    load_buckets(args.buckets)  # a bad file fails here, before a process is started
-    seams = seams or Seams()
-    if args.engine_in_process:
-        core = build_engine(args.model, args.device, args.dtype, args.buckets, args.nvtx,
-                            args.quantization, args.kv_cache_dtype, seams.faults)
-        if seams.prepare_engine is not None:
-            seams.prepare_engine(core)
-        engine = AsyncEngine.in_process(core)
-    else:
-        t0 = time.perf_counter()
-        engine = AsyncEngine.spawn(args.model, args.device, args.dtype, args.buckets,
-                                   args.log_level, args.nvtx, args.quantization,
-                                   args.kv_cache_dtype, seams)
-        log.info("engine core ready in process %d after %.1f s", engine.core.pid,
-                 time.perf_counter() - t0)
-    return engine, load_buckets(args.buckets, max_model_len=engine.max_model_len)
-
-
-def load_add_ons(args: argparse.Namespace, buckets, seams: Seams | None = None) -> list[AddOn]:
-    """The embeddings service, when a model is asked for."""
-    if args.embedding_model.lower() == "none":
-        return []
-    from bucketserve.server import embeddings  # a broken import must fail the start, loudly
-    t0 = time.perf_counter()
-    name = args.embedding_dtype or args.dtype
-    # float16 keeps more mantissa than bfloat16: the encoder's vectors stay within cosine
-    # 0.9999 of float32 ones
-    dtype = (_torch_dtype("float16", args.device) if name == "auto" and args.device == "cuda"
-             else _torch_dtype(name, args.device))
-    add_on = embeddings.build_add_on(args.embedding_model, device=args.device, dtype=dtype,
-                                     buckets=buckets, faults=seams.faults if seams else None)
-    log.info("embedding model %s loaded in %.1f s", add_on.model_name, time.perf_counter() - t0)
-    return [add_on]
-
-
 def serve(args: argparse.Namespace, seams: Seams | None = None) -> int:
     from bucketserve.buckets import ConfigError
     from bucketserve.engine.core_client import CoreStartError
@@ -214,6 +70,9 @@ def serve(args: argparse.Namespace, seams: Seams | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
         return 2
+    ray_options = (args.replicas, args.ray_address, args.min_replicas, args.max_replicas)
+    if any(v is not None for v in ray_options):
+        return serve_on_ray(args)
     resolve_api_workers(args)
     if args.api_workers > 1:
         from bucketserve.server.workers import serve_workers
@@ -240,6 +99,24 @@ def serve(args: argparse.Namespace, seams: Seams | None = None) -> int:
 
         apply_frontend_layout()  # BUCKETSERVE_CPU_AFFINITY; the core pinned itself
     return run_http(args, engine, add_ons)
+
+
+def serve_on_ray(args: argparse.Namespace) -> int:
+    """--replicas / --ray-address / --min-replicas / --max-replicas: Ray Serve (ray_deploy.py)."""
+    try:
+        from bucketserve.server.ray_deploy import serve_ray
+    except ImportError as exc:
+        print(f"bucketserve: error: --replicas needs Ray Serve (pip install "
+              f"'bucketserve[ray]'): {exc}", file=sys.stderr)
+        return 2
+    if args.replicas is None:
+        args.replicas = max(1, args.min_replicas or 1)
+    if (args.min_replicas is not None and args.max_replicas is not None
+            and args.min_replicas > args.max_replicas):
+        print(f"bucketserve: error: --min-replicas {args.min_replicas} is over --max-replicas "
+              f"{args.max_replicas}", file=sys.stderr)
+        return 2
+    return serve_ray(args)
 
 
 def run_http(args: argparse.Namespace, engine, add_ons: list[AddOn],

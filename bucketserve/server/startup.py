@@ -1,0 +1,79 @@
+"""What `bucketserve serve` starts, from its parsed options: the engine core and the add-ons
+(embeddings). Shared by the single server and its API workers (server/cli.py,
+server/workers.py) and the Ray replicas (server/ray_deploy.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from bucketserve.engine.faults import Seams
+from bucketserve.server.app import AddOn
+
+log = logging.getLogger("bucketserve.server")
+
+
+def _torch_dtype(name: str, device: str):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def check_quantization(args: argparse.Namespace) -> None:
+    """FP8 (--quantization / --kv-cache-dtype, or the buckets file's keys) on the CPU is
+    refused here, before a process starts (a one-line ValueError); on a GPU the core process
+    checks the device's compute capability (kernels/quant.resolve_quant_plan)."""
+    if args.device == "cuda":
+        return
+    from bucketserve.buckets import load_buckets
+    from bucketserve.kernels.quant import resolve_quant_plan
+
+    b = load_buckets(args.buckets)
+    resolve_quant_plan(args.device, args.quantization or b.quantization,
+                       args.kv_cache_dtype or b.kv_cache_dtype)
+
+
+def load_engine(args: argparse.Namespace, seams: Seams | None = None):
+    """The engine core (its own process unless --engine-in-process), loaded and warmed up,
+    and the buckets config; returns a started-not-yet AsyncEngine. `seams`: what a test or
+    benchmark passes in (engine/faults.py; None in production)."""
+    from bucketserve.buckets import load_buckets
+    from bucketserve.engine.async_engine import AsyncEngine
+    from bucketserve.engine.core import build_engine
+
+    load_buckets(args.buckets)  # a bad file fails here, before a process is started
+    seams = seams or Seams()
+    if args.engine_in_process:
+        core = build_engine(args.model, args.device, args.dtype, args.buckets, args.nvtx,
+                            args.quantization, args.kv_cache_dtype, seams.faults)
+        if seams.prepare_engine is not None:
+            seams.prepare_engine(core)
+        engine = AsyncEngine.in_process(core)
+    else:
+        t0 = time.perf_counter()
+        engine = AsyncEngine.spawn(args.model, args.device, args.dtype, args.buckets,
+                                   args.log_level, args.nvtx, args.quantization,
+                                   args.kv_cache_dtype, seams)
+        log.info("engine core ready in process %d after %.1f s", engine.core.pid,
+                 time.perf_counter() - t0)
+    return engine, load_buckets(args.buckets, max_model_len=engine.max_model_len)
+
+
+def load_add_ons(args: argparse.Namespace, buckets, seams: Seams | None = None) -> list[AddOn]:
+    """The embeddings service, when a model is asked for."""
+    if args.embedding_model.lower() == "none":
+        return []
+    from bucketserve.server import embeddings  # a broken import must fail the start, loudly
+    t0 = time.perf_counter()
+    name = args.embedding_dtype or args.dtype
+    # float16 keeps more mantissa than bfloat16: the encoder's vectors stay within cosine
+    # 0.9999 of float32 ones
+    dtype = (_torch_dtype("float16", args.device) if name == "auto" and args.device == "cuda"
+             else _torch_dtype(name, args.device))
+    add_on = embeddings.build_add_on(args.embedding_model, device=args.device, dtype=dtype,
+                                     buckets=buckets, faults=seams.faults if seams else None)
+    log.info("embedding model %s loaded in %.1f s", add_on.model_name, time.perf_counter() - t0)
+    return [add_on]

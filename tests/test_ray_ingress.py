@@ -1,0 +1,181 @@
+"""The Ray ingress (server/ray_deploy.py) without a Ray cluster: what a client gets when Ray
+refuses a request (back-pressure), when a replica dies before or during its answer, and the
+merged /metrics. The deployment handle is a stand-in; everything else is the real code."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from ray.exceptions import ActorDiedError  # noqa: E402
+from ray.serve.exceptions import BackPressureError  # noqa: E402
+
+from bucketserve.server.ray_deploy import Ingress, merge_metrics, serve_args  # noqa: E402
+
+START = {"type": "http.response.start", "status": 200,
+         "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]}
+CHUNK = {"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "more_body": True}
+
+
+class Handle:
+    """A DeploymentHandle stand-in: each call plays the next script (messages, then maybe
+    an exception)."""
+
+    def __init__(self, *scripts: list) -> None:
+        self.scripts = list(scripts)
+        self.calls = 0
+
+    def options(self, **_) -> Handle:
+        return self
+
+    def remote(self, request) -> Stream:
+        self.calls += 1
+        return Stream(self.scripts.pop(0))
+
+
+class Stream:
+    def __init__(self, script: list) -> None:
+        self.script = script
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for item in self.script:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def cancel(self) -> None:
+        pass
+
+
+def call(handle: Handle, api_key: str | None = None,
+         headers: list | None = None) -> tuple[int, dict, bytes]:
+    ingress = Ingress(handle, None, {"api_key": api_key})
+    app = ingress.__serve_build_asgi_app__()
+    body = json.dumps({"prompt": "hi", "stream": True}).encode()
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"",
+             "query_string": b"", "headers": headers or [], "http_version": "1.1"}
+    sent: list[dict] = []
+    given = False
+
+    async def receive():
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], {k.decode().lower(): v.decode() for k, v in start["headers"]}, out
+
+
+def test_ray_back_pressure_is_our_503_with_retry_after() -> None:
+    status, headers, body = call(Handle([BackPressureError(num_queued_requests=8,
+                                                           max_queued_requests=8)]))
+    assert status == 503 and headers["retry-after"]
+    err = json.loads(body)["error"]
+    assert err["type"] == "server_overloaded" and err["code"] == "queue_full"
+
+
+def test_a_replica_dead_before_answering_is_retried_on_another() -> None:
+    handle = Handle([ActorDiedError()], [START, CHUNK, {**CHUNK, "more_body": False}])
+    status, _, body = call(handle)
+    assert status == 200 and handle.calls == 2 and body.count(b"data: ") == 2
+
+
+def test_every_try_dead_is_a_503_error_body() -> None:
+    handle = Handle([ActorDiedError()], [ActorDiedError()], [ActorDiedError()])
+    status, headers, body = call(handle)
+    assert status == 503 and handle.calls == 3 and headers["retry-after"] == "1"
+    assert json.loads(body)["error"]["code"] == "replica_failed"
+
+
+def test_a_replica_dead_mid_stream_ends_it_with_an_error_event_and_done() -> None:
+    handle = Handle([START, CHUNK, ActorDiedError()])
+    status, _, body = call(handle)
+    assert status == 200 and handle.calls == 1  # never sent twice
+    events = [e.removeprefix("data: ") for e in body.decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "replica_failed"
+
+
+def test_the_api_key_is_checked_before_forwarding() -> None:
+    handle = Handle()
+    status, _, body = call(handle, api_key="k", headers=[(b"authorization", b"Bearer no")])
+    assert status == 401 and handle.calls == 0
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+
+
+def test_merged_metrics_label_every_replica_and_keep_every_sample() -> None:
+    def replica_text(running: float, done: float) -> str:
+        registry = CollectorRegistry()
+        Gauge("bucketserve_requests_running", "running", registry=registry).set(running)
+        Counter("bucketserve_request_success", "finished", ["finish_reason"],
+                registry=registry).labels("stop").inc(done)
+        return generate_latest(registry).decode()
+
+    text = merge_metrics({"a": replica_text(1, 5), "b": replica_text(2, 7)}).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("bucketserve_requests_running", (("replica", "a"),))] == 1
+    assert samples[("bucketserve_requests_running", (("replica", "b"),))] == 2
+    assert samples[("bucketserve_request_success_total",
+                    (("finish_reason", "stop"), ("replica", "b")))] == 7
+    assert text.count("# TYPE bucketserve_requests_running gauge") == 1
+
+
+def test_serve_args_refuses_an_unknown_option() -> None:
+    assert serve_args({"replicas": 3}).replicas == 3
+    with pytest.raises(ValueError, match="replicaz"):
+        serve_args({"replicaz": 3})
+
+
+def test_the_committed_serve_config_builds_the_application() -> None:
+    """examples/ray_serve_config.yaml is a valid Serve config and its args make the app."""
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from bucketserve.deploy import build_app
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "ray_serve_config.yaml"
+    config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    (app,) = config.applications
+    assert app.import_path == "bucketserve.deploy:build_app"
+    built = build_app(app.args)
+    engine = built._bound_deployment.init_args[0]._bound_deployment  # the ingress binds it
+    assert engine._deployment_config.autoscaling_config.max_replicas == 4
+    assert engine.ray_actor_options["num_gpus"] == 1
+
+
+def test_serve_run_strings_are_typed_as_the_cli_does() -> None:
+    """`serve run bucketserve.deploy:build_app replicas=3 ...` passes strings."""
+    from bucketserve.deploy import build_app
+
+    built = build_app({"replicas": "3", "cpus_per_replica": "0.5", "embedding_model": "none"})
+    engine = built._bound_deployment.init_args[0]._bound_deployment
+    assert engine._deployment_config.num_replicas == 3
+    assert engine.ray_actor_options["num_cpus"] == 0.5
+
+
+def test_autoscaling_bounds_alone_select_ray_and_are_checked(capsys) -> None:
+    """--min/--max-replicas without --replicas still mean Ray (never a silent single server);
+    bounds the wrong way round are refused before anything starts."""
+    from bucketserve.server.cli import main
+
+    assert main(["serve", "--min-replicas", "3", "--max-replicas", "2"]) == 2
+    assert "--min-replicas 3 is over --max-replicas 2" in capsys.readouterr().err
