@@ -14,8 +14,9 @@
   {"name", "arguments"} objects (one item with parallel_tool_calls false or a named choice;
   `name` fixed to the named function), parsed into `tool_calls`; finish_reason "tool_calls".
 - "auto": free text, parsed afterwards (`parse_tool_calls`): Hermes `<tool_call>{...}</tool_call>`
-  blocks, or Llama-3.x JSON (the whole reply one {"name", "parameters" | "arguments"} object,
-  or several joined by ";", optionally after `<|python_tag|>`), calling a declared tool.
+  blocks, or Llama-3.x JSON (the reply starts with {"name", "parameters" | "arguments"}
+  objects, joined by ";", optionally after `<|python_tag|>`), calling a declared tool; the
+  text around the calls is the message's content.
 """
 
 from __future__ import annotations
@@ -54,10 +55,6 @@ class ToolPlan:
     @property
     def constrained(self) -> bool:
         return self.choice in ("required", "named")
-
-    @property
-    def parses(self) -> bool:
-        return self.choice != "none" and bool(self.tools)
 
 
 def _tool(i: int, t: Any) -> Tool:
@@ -229,7 +226,9 @@ def _as_call(obj: Any, names: set[str]) -> dict | None:
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
-    """An "auto" reply -> (content, calls). No call found: (text, [])."""
+    """An "auto" reply -> (content, calls): the text around the calls stays the content
+    (None when empty). No call found, or a call-shaped block that is no call of a declared
+    tool: (text, [])."""
     if "<tool_call>" in text:
         calls = []
         for body in _HERMES.findall(text):
@@ -240,27 +239,26 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]
             if call is None:
                 return text, []
             calls.append(call)
-        content = text[:text.index("<tool_call>")].strip()
-        return content or None, calls
-    body = text.strip().removeprefix("<|python_tag|>").strip()
-    if body.startswith("{"):
-        calls = []
-        decoder = json.JSONDecoder()
-        pos = 0
-        while pos < len(body):
-            try:
-                obj, end = decoder.raw_decode(body, pos)
-            except ValueError:
-                return text, []
-            call = _as_call(obj, names)
-            if call is None:
-                return text, []
-            calls.append(call)
-            pos = end
-            while pos < len(body) and body[pos] in " \t\r\n;":
-                pos += 1
-        return None, calls
-    return text, []
+        return _HERMES.sub("", text).strip() or None, calls
+    body = text.lstrip().removeprefix("<|python_tag|>").lstrip()
+    calls = []
+    decoder = json.JSONDecoder()
+    pos = 0
+    while body.startswith("{", pos):
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except ValueError:
+            break
+        call = _as_call(obj, names)
+        if call is None:
+            break
+        calls.append(call)
+        pos = end
+        while pos < len(body) and body[pos] in " \t\r\n;":
+            pos += 1
+    if not calls:
+        return text, []
+    return body[pos:].strip() or None, calls
 
 
 def might_be_call(text: str) -> bool:
