@@ -34,6 +34,12 @@ def engine(request, loaded):
                      async_scheduling=request.param)
 
 
+@pytest.fixture(scope="module")
+def overlapped(loaded):
+    return LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), "cpu",
+                     async_scheduling=True)
+
+
 def prompt(engine: LLMEngine, text: str) -> list[int]:
     tok = engine.tokenizer
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
@@ -70,7 +76,8 @@ def test_guided_kinds_match_and_stop(engine):
     assert outs[6].token_ids == alone.token_ids
 
 
-def test_logit_bias(engine):
+def test_logit_bias(overlapped):
+    engine = overlapped
     tok = engine.tokenizer
     p = prompt(engine, "Say something.")
     forced = tok.encode(" banana", add_special_tokens=False)[0]
@@ -83,8 +90,9 @@ def test_logit_bias(engine):
     assert banned.token_ids[0] != free.token_ids[0]
 
 
-def test_compiling_grammar_does_not_stall_others(engine, monkeypatch):
+def test_compiling_grammar_does_not_stall_others(overlapped, monkeypatch):
     """A request whose grammar is not compiled yet waits in the queue; others run."""
+    engine = overlapped
     pending: Future = Future()
     real_submit = engine.grammar_compiler.submit
     monkeypatch.setattr(engine.grammar_compiler, "submit", lambda g: pending)
