@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     s.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weights and KV cache dtype; auto = float32 on cpu, bfloat16 on cuda")
+    s.add_argument("--rerank-model", default=None, metavar="DIR",
+                   help="BERT cross-encoder (HF BertForSequenceClassification directory) for "
+                        "/v1/rerank and /v1/score; default: none")
     s.add_argument("--embedding-dtype", choices=DTYPES, default=None,
                    help="embedding encoder dtype; default: --dtype, where auto = float32 on cpu, "
                         "float16 on cuda")
@@ -123,20 +126,30 @@ def load_engine(args: argparse.Namespace):
 
 
 def load_add_ons(args: argparse.Namespace, buckets) -> list[AddOn]:
-    """The embeddings service, when a model is asked for."""
-    if args.embedding_model.lower() == "none":
-        return []
-    from bucketserve.server import embeddings  # a broken import must fail the start, loudly
-    t0 = time.perf_counter()
+    """The embeddings and rerank services, when their models are asked for."""
+    add_ons: list[AddOn] = []
     name = args.embedding_dtype or args.dtype
     # float16 keeps more mantissa than bfloat16: the encoder's vectors stay within cosine
     # 0.9999 of float32 ones
     dtype = (_torch_dtype("float16", args.device) if name == "auto" and args.device == "cuda"
              else _torch_dtype(name, args.device))
-    add_on = embeddings.build_add_on(args.embedding_model, device=args.device, dtype=dtype,
+    if args.embedding_model.lower() != "none":
+        from bucketserve.server import embeddings  # a broken import must fail the start, loudly
+        t0 = time.perf_counter()
+        add_on = embeddings.build_add_on(args.embedding_model, device=args.device, dtype=dtype,
+                                         buckets=buckets)
+        log.info("embedding model %s loaded in %.1f s", add_on.model_name,
+                 time.perf_counter() - t0)
+        add_ons.append(add_on)
+    if getattr(args, "rerank_model", None):
+        from bucketserve.server import rerank
+
+        t0 = time.perf_counter()
+        add_on = rerank.build_add_on(args.rerank_model, device=args.device, dtype=dtype,
                                      buckets=buckets)
-    log.info("embedding model %s loaded in %.1f s", add_on.model_name, time.perf_counter() - t0)
-    return [add_on]
+        log.info("rerank model %s loaded in %.1f s", add_on.model_name, time.perf_counter() - t0)
+        add_ons.append(add_on)
+    return add_ons
 
 
 def serve(args: argparse.Namespace) -> int:
