@@ -137,3 +137,43 @@ def test_bad_tool_fields_name_the_field(kw, param):
     with pytest.raises(APIError) as e:
         tool_plan(req(**kw))
     assert e.value.param == param and e.value.status == 400
+
+
+def _stream(plan, pieces: list[str], finish: str = "stop") -> list[dict]:
+    """The chat stream's choice deltas for a reply arriving in `pieces`."""
+    from bucketserve.server.chat import _StreamFormatter
+
+    ctx = SimpleNamespace(model_name="m")
+    chat_req = SimpleNamespace(n=1, include_usage=False, logprobs=False)
+    fmt = _StreamFormatter(ctx, chat_req, 3, "id", plan)
+    out = []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        o = SimpleNamespace(new_text=piece, new_logprobs=[], finished=last,
+                            finish_reason=finish if last else None, num_output_tokens=1)
+        out += [c["choices"][0] for c in fmt.on_output(0, o)]
+    return out
+
+
+def test_auto_stream_holds_a_call_back_and_sends_prose_at_once():
+    plan = tool_plan(req(tools=[WEATHER]))
+    rec = next(r for r in RECORDS["records"] if r["primed"] and r["format"] == "hermes")
+    text = rec["output"]
+    chunks = _stream(plan, [text[i:i + 5] for i in range(0, len(text), 5)])
+    assert all(c["delta"] == {} or "tool_calls" in c["delta"] for c in chunks)
+    last = chunks[-1]
+    assert last["finish_reason"] == "tool_calls"
+    assert last["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert last["delta"]["content"] == parse_tool_calls(text, {"get_weather"})[0]
+    prose = _stream(plan, ["The weather", " is nice."])
+    assert [c["delta"].get("content") for c in prose] == ["The weather", " is nice."]
+    assert prose[-1]["finish_reason"] == "stop"
+
+
+def test_required_stream_sends_calls_as_they_come():
+    plan = tool_plan(req(tools=[WEATHER], tool_choice="required"))
+    text = '[{"name":"get_weather","arguments":{"city":"Oslo"}}]'
+    chunks = _stream(plan, [text[i:i + 4] for i in range(0, len(text), 4)])
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    args = "".join(d["function"]["arguments"] for c in chunks for d in c["delta"].get("tool_calls", []))
+    assert json.loads(args) == {"city": "Oslo"}
