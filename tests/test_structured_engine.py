@@ -127,3 +127,20 @@ def test_bad_specs_are_refused_up_front():
 def test_logit_bias_validated():
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={5: 101.0})
+
+
+def test_preemption_keeps_the_matcher(loaded, overlapped):
+    """A pool too small for the batch preempts guided sequences (recompute); their matchers
+    stay with them, so the greedy outputs equal those of a roomy pool."""
+    buckets = load_buckets(None, max_model_len=loaded.max_model_len)
+    p = prompt(overlapped, "Describe a person as JSON.")
+    blocks = -(-(len(p) + 40) // buckets.block_size) + 1
+    tight = LLMEngine(loaded, buckets, "cpu", num_blocks=blocks * 2 + 1, async_scheduling=True)
+    params = [SamplingParams(max_tokens=40, temperature=0,
+                             guided=GuidedDecoding("json", json.dumps(PERSON)))] * 4
+    outs = tight.generate([p] * 4, params)
+    assert tight.stats.preemptions_total > 0
+    want = overlapped.generate([p], params[:1])[0]
+    for o in outs:
+        assert o.token_ids == want.token_ids and o.finish_reason == "stop"
+        jsonschema.validate(json.loads(o.text), PERSON)
