@@ -55,6 +55,7 @@ class BenchRequest:
     inputs: list | None = None  # embeddings: strings or token-id lists
     input_lengths: list[int] = field(default_factory=list)  # embeddings
     arrival: float | None = None  # seconds from the first request of a trace
+    extra: dict | None = None  # merged into this request's body (a workload line's "extra")
 
 
 # ---------------------------------------------------------------------------- distributions
@@ -191,8 +192,11 @@ def parse_line(d: dict, make: PromptMaker, default_kind: str = "completion",
     if olen < 1:
         return None  # a request that produced nothing (aborted, timed out): no replay
     prompt = d.get("prompt") if keep_text and isinstance(d.get("prompt"), str) else None
+    extra = d.get("extra")
+    if extra is not None and not isinstance(extra, dict):
+        raise WorkloadError("extra must be a JSON object (fields merged into the request body)")
     return BenchRequest(kind, plen, olen, prompt=prompt if prompt is not None else make(plen),
-                        arrival=arrival)
+                        arrival=arrival, extra=extra)
 
 
 def load_jsonl(path: str, prompt_kind: str = "ids", seed: int = 0,
@@ -265,4 +269,6 @@ def payload(req: BenchRequest, model: str, stream: bool = True, ignore_eos: bool
             body["prompt"] = req.prompt
     if extra and req.kind != "embedding":
         body.update(extra)
+    if req.extra:
+        body.update(req.extra)
     return body

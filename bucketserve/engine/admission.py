@@ -31,6 +31,10 @@ def validate(limits: RequestLimits, prompt_token_ids: list[int], params: Samplin
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
     if bad:
         raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
+    if bad:
+        raise RequestError("logit_bias",
+                           f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
     total = n + params.max_tokens
     if total > limits.max_model_len:
         raise RequestError(

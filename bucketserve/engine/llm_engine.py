@@ -17,6 +17,7 @@ launch. Greedy outputs are the same either way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 
@@ -133,6 +134,14 @@ class LLMEngine:
         self.faults = faults
         self.num_failed_steps = 0  # in a row
 
+    @functools.cached_property
+    def grammar_compiler(self):
+        """engine/structured.GrammarCompiler, built at the first guided request (xgrammar's
+        tokenizer info from our tokenizer, once per engine)."""
+        from bucketserve.engine.structured import GrammarCompiler
+
+        return GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size)
+
     @classmethod
     def from_names(cls, model: str = "smollm2-135m-instruct", buckets_path: str | None = None,
                    device: str = "cpu", dtype: torch.dtype | None = None) -> LLMEngine:
@@ -190,6 +199,8 @@ class LLMEngine:
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queues a sequence already admitted (engine/admission.py) by the caller."""
+        if seq.params.guided is not None:
+            seq.grammar = self.grammar_compiler.state(seq.params.guided)
         self._seqs[seq.request_id] = seq
         self.outputs.add(seq)
         self.scheduler.add(seq)
@@ -228,7 +239,9 @@ class LLMEngine:
         the output processor keeps what was sent, and drops a finished sequence's state."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        results: list[News] = [self._ended(seq) for seq in batch.finished]
+        results: list[News] = [
+            self._ended(seq, seq.grammar.error if seq.grammar is not None else None)
+            for seq in batch.finished]
         bm = self.block_manager
         prev, self._inflight = self._inflight, None
         if batch.is_empty:
@@ -292,6 +305,17 @@ class LLMEngine:
                 continue
             token = sampled[i]
             finished = on_sampled(seq, token)
+            grammar = seq.grammar
+            if grammar is not None and not finished:
+                if not grammar.accept(token):
+                    self.scheduler.finish(seq, FinishReason.ERROR)
+                    self.outputs.drop_text(seq)
+                    results.append(self._ended(
+                        seq, f"the grammar rejected sampled token {token}"))
+                    continue
+                if grammar.terminated:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                    finished = True
             if seq.first_token_time is None:
                 seq.first_token_time = now
             lp = logprobs[i]
@@ -318,13 +342,14 @@ class LLMEngine:
     @staticmethod
     def _needs_host_tokens(batch) -> bool:
         """A sequence with a pending token whose sampling reads its token history
-        (repetition, presence or frequency penalties): the previous step must be resolved
+        (repetition, presence or frequency penalties; a grammar, whose matcher must accept
+        the pending token before it gives the next mask): the previous step must be resolved
         before this one samples."""
         for seq in batch.seqs:
             if seq.num_pending:
                 p = seq.params
                 if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                        or p.frequency_penalty != 0.0):
+                        or p.frequency_penalty != 0.0 or seq.grammar is not None):
                     return True
         return False
 

@@ -1,6 +1,9 @@
 """Token selection: logits [B, V] + the batch's sequences -> one next token per row.
 
 Order of operations for a row (each step only touches the rows that need it):
+  0. logit_bias (token id -> value added to its logit), then the grammar mask of a guided
+     row (engine/structured.py: the tokens its xgrammar matcher disallows get -inf; applied
+     on the logits' device, after the forward, outside any CUDA graph).
   1. min_tokens: while fewer than `min_tokens` tokens were generated, EOS (unless ignore_eos)
      and `stop_token_ids` get -inf.
   2. repetition penalty (HF semantics, over prompt + output tokens): a seen token's logit is
@@ -133,6 +136,7 @@ class Sampler:
         for s in seqs:
             p = s.params
             if (p.temperature >= 1e-5 or p.logprobs is not None or p.repetition_penalty != 1.0
+                    or s.grammar is not None or p.logit_bias
                     or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                     or (p.min_tokens and len(s.token_ids) + s.num_pending - s.num_prompt_tokens
                         < p.min_tokens)):
@@ -156,9 +160,28 @@ class Sampler:
     # -- logit processing -------------------------------------------------------------------
 
     def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Steps 1-3 above (min_tokens masking, penalties) -> a new [B, V] tensor; input untouched."""
+        """Steps 0-3 above (logit bias and grammar masks, min_tokens masking, penalties) -> a
+        new [B, V] tensor; input untouched."""
         logits = logits.clone()
         vocab, device = logits.shape[1], logits.device
+
+        bias_rows = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+        if bias_rows:
+            rows: list[int] = []
+            cols: list[int] = []
+            vals: list[float] = []
+            for i in bias_rows:
+                for t, v in seqs[i].params.logit_bias.items():
+                    rows.append(i)
+                    cols.append(t)
+                    vals.append(v)
+            logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                              torch.tensor(vals, dtype=logits.dtype, device=device), accumulate=True)
+        g_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if g_rows:
+            from bucketserve.engine.structured import apply_grammar_masks
+
+            apply_grammar_masks(logits, g_rows, [seqs[i].grammar for i in g_rows])
 
         # min_tokens: gather (row, token) pairs to ban, one index_put for the batch.
         ban_rows: list[int] = []

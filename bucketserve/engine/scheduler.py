@@ -194,6 +194,11 @@ class Scheduler:
             self._aborted.clear()
         now = time.monotonic()
         for seq in list(self.waiting):
+            g = seq.grammar
+            if g is not None and g.ready() and g.error is not None:
+                self.finish(seq, FinishReason.ERROR)  # its grammar failed to compile
+                left.append(seq)
+                continue
             if seq.deadline is not None and now > seq.deadline and seq.first_scheduled_time is None:
                 self.finish(seq, FinishReason.TIMEOUT)
                 left.append(seq)
@@ -214,6 +219,8 @@ class Scheduler:
                 break
             if seq.num_pending:
                 break  # preempted with a token in flight: readmitted once it has arrived
+            if seq.grammar is not None and not seq.grammar.ready():
+                continue  # its grammar is still compiling (a thread): the others go on
             # prefix cache: the cached full blocks it starts from ([] when caching is off);
             # only the uncached rest counts against the budget and picks the bucket
             prefix = self.blocks.lookup(seq)

@@ -18,6 +18,21 @@ class SamplingError(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """What a request's output must match (engine/structured.py compiles it with xgrammar).
+    kind: "json" (spec: a JSON schema as JSON text), "json_object" (any JSON object; spec
+    ""), "regex", "choice" (spec: a JSON list of strings), "grammar" (spec: EBNF, xgrammar's
+    GBNF dialect, root rule `root`)."""
+
+    kind: str
+    spec: str = ""
+
+
+# logit_bias values are clamped to this range by OpenAI; here a value outside it is an error
+LOGIT_BIAS_LIMIT = 100.0
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -37,6 +52,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # False: token ids only, no text (no detokenizer work per token; stop strings need text)
     detokenize: bool = True
+    # token id -> value added to its logit before sampling (min_tokens, penalties follow)
+    logit_bias: dict[int, float] | None = None
+    guided: GuidedDecoding | None = None  # grammar-constrained decoding
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +87,9 @@ class SamplingParams:
              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
              f"logprobs must be between 0 and 20, got {self.logprobs}")
+        need(not self.logit_bias or all(-LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT
+                                        for v in self.logit_bias.values()), "logit_bias",
+             f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         need(self.detokenize or not self.stop, "stop",
              "stop strings need the output text: drop `stop` or keep detokenize on")
 
@@ -145,6 +166,8 @@ class Sequence:
         self.prefill_bucket: int | None = None  # length bucket of its first scheduled step
         self.logprobs: list[TokenLogprob] = []
         self.generator: torch.Generator | None = None
+        # guided decoding: engine/structured.GrammarState, set by the engine that queues it
+        self.grammar = None
         if params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed)

@@ -307,3 +307,49 @@ class BertEmbeddingModel(nn.Module):
         if self.normalize:
             out = F.normalize(out, p=2.0, dim=-1)
         return out
+
+
+class BertCrossEncoder(nn.Module):
+    """A BERT cross-encoder (HF BertForSequenceClassification): a (query, document) pair as one
+    row `[CLS] query [SEP] document [SEP]` -> relevance scores [B, num_labels] float32; with
+    one label the sigmoid of the logit, as sentence-transformers' CrossEncoder reports it.
+
+    Rows are plain token ids, as the embedding batcher moves them: the token types (0 up to
+    and including the first [SEP], 1 after it) are derived from the ids, so a pair batches,
+    pads and buckets like any embedding input."""
+
+    def __init__(self, cfg: BertConfig, sep_token_id: int, num_labels: int = 1) -> None:
+        super().__init__()
+        self.config = cfg
+        self.encoder = BertEncoder(cfg)
+        self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.classifier = nn.Linear(cfg.hidden_size, num_labels)
+        self.sep_token_id = sep_token_id
+        self.num_labels = num_labels
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.num_labels
+
+    def pack_cpu_weights(self) -> bool:
+        return False
+
+    def token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        sep = (input_ids == self.sep_token_id).long()
+        return ((sep.cumsum(dim=-1) - sep) > 0).long()  # strictly after the first [SEP]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(input_ids, attention_mask, self.token_types(input_ids))
+        return self._score(hidden)
+
+    @torch.inference_mode()
+    def embed_lengths(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """As BertEmbeddingModel.embed_lengths (CUDA graphs): scores [B, num_labels]."""
+        ids = input_ids.long()
+        mask = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]
+        key_mask = additive_key_mask(mask, self.encoder.embeddings.LayerNorm.weight.dtype)
+        return self._score(self.encoder.forward_keys(ids, key_mask, self.token_types(ids)))
+
+    def _score(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.classifier(torch.tanh(self.pooler(hidden[:, 0]))).float()
+        return torch.sigmoid(logits) if self.num_labels == 1 else logits

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from bucketserve.models.bert import POOLING_MODES, BertConfig, BertEmbeddingModel
+from bucketserve.models.bert import POOLING_MODES, BertConfig, BertCrossEncoder, BertEmbeddingModel
 from bucketserve.models.embedding_tokenizer import EmbeddingTokenizer
 from bucketserve.models.registry import resolve
 
@@ -145,3 +145,43 @@ def load_embedding_model(
                                    do_lower_case=bool(st_cfg.get("do_lower_case", False)))
     return LoadedEmbeddingModel(model=model, tokenizer=tokenizer, config=cfg, name=name,
                                 max_seq_length=max_seq_length, path=model_dir)
+
+
+@dataclass
+class LoadedCrossEncoder:
+    model: BertCrossEncoder
+    tokenizer: EmbeddingTokenizer
+    config: BertConfig
+    name: str
+    max_seq_length: int
+    cls_token_id: int
+    sep_token_id: int
+
+
+def load_cross_encoder(path: str | Path, device: str | torch.device = "cpu",
+                       dtype: torch.dtype = torch.float32) -> LoadedCrossEncoder:
+    """A BERT cross-encoder (BertForSequenceClassification) from an HF directory:
+    config.json, model.safetensors, tokenizer.json (vocabulary with [CLS] and [SEP])."""
+    model_dir = Path(path)
+    raw_cfg = _read_json(model_dir / "config.json")
+    cfg = BertConfig.from_hf_dict(raw_cfg)
+    weights = model_dir / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} not found; only safetensors weights are supported")
+    tokenizer = EmbeddingTokenizer(model_dir / "tokenizer.json",
+                                   do_lower_case=bool(_read_json(model_dir / "tokenizer_config.json")
+                                                      .get("do_lower_case", False)))
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    if cls_id is None or sep_id is None:
+        raise ValueError(f"{model_dir}: the tokenizer has no [CLS] / [SEP] token")
+    raw = load_file(str(weights))
+    num_labels = raw["classifier.weight"].shape[0]
+    model = BertCrossEncoder(cfg, sep_id, num_labels)
+    model.encoder.load_state_dict(_fused_state_dict(raw, cfg), strict=True)
+    model.pooler.load_state_dict({"weight": raw["bert.pooler.dense.weight"],
+                                  "bias": raw["bert.pooler.dense.bias"]})
+    model.classifier.load_state_dict({"weight": raw["classifier.weight"],
+                                      "bias": raw["classifier.bias"]})
+    model = model.to(device=device, dtype=dtype).eval()
+    return LoadedCrossEncoder(model, tokenizer, cfg, model_dir.name,
+                              cfg.max_position_embeddings, cls_id, sep_id)

@@ -155,6 +155,9 @@ class EmbeddingTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
 
 def unpack(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
     """encode_packed's result as one 1-D int32 view per text."""

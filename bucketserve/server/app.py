@@ -22,13 +22,19 @@ from bucketserve.server.errors import (
     APIError,
     BodySizeLimitMiddleware,
     install_exception_handlers,
+    invalid_request,
     overloaded,
 )
+from bucketserve.server.prompts import chat_prompt, check_text_fits
 from bucketserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 
 log = logging.getLogger("bucketserve.server")
@@ -171,6 +177,31 @@ def create_app(ctx: ServerContext, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         refuse_while_draining()
         return await create_chat_completion(body, request, ctx)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        ctx.check_model(body.model)
+        tok = ctx.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise invalid_request("send either prompt or messages", "prompt")
+        if body.messages is not None:
+            ids = chat_prompt(body, tok, ctx.max_model_len,
+                              add_generation_prompt=body.add_generation_prompt).token_ids
+        else:
+            check_text_fits(body.prompt, tok, ctx.max_model_len, "prompt")
+            ids = await asyncio.to_thread(tok.encode, body.prompt, body.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        ctx.check_model(body.model)
+        vocab = ctx.tokenizer.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise invalid_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                  "tokens")
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens,
+                                                               skip_special_tokens=False))
 
     for add_on in add_ons:
         app.include_router(add_on.router)

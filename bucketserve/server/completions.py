@@ -27,6 +27,7 @@ from bucketserve.server.protocol import (
     now,
 )
 from bucketserve.server.streaming import stream_response
+from bucketserve.server.structured import guided_decoding, logit_bias
 
 
 async def create_completion(req: CompletionRequest, request: Request, ctx: ServerContext) -> Any:
@@ -37,7 +38,8 @@ async def create_completion(req: CompletionRequest, request: Request, ctx: Serve
     else:
         prompts = completion_prompts(req, ctx.tokenizer, ctx.max_model_len)
     check_queue_room(len(prompts), req.n, ctx.engine.max_waiting)
-    jobs = completion_jobs(req, prompts, ctx.max_model_len)
+    jobs = completion_jobs(req, prompts, ctx.max_model_len, guided_decoding(req),
+                           logit_bias(req.logit_bias, ctx.tokenizer.vocab_size))
     request_id = new_id("cmpl")
     outputs = run_choices(ctx.engine, jobs, request_id, req.priority, ctx.inflight, ctx.metrics)
     if req.stream:

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default=None,
                    help="KV pool element type; auto = --dtype; default: the buckets file's "
                         "kv_cache.dtype (auto)")
+    s.add_argument("--rerank-model", default=None, metavar="DIR",
+                   help="BERT cross-encoder (HF BertForSequenceClassification directory) for "
+                        "/v1/rerank and /v1/score; default: none")
     s.add_argument("--embedding-dtype", choices=DTYPES, default=None,
                    help="embedding encoder dtype; default: --dtype, where auto = float32 on cpu, "
                         "float16 on cuda")

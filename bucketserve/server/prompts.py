@@ -12,10 +12,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from bucketserve.engine.sequence import SamplingError, SamplingParams
+from bucketserve.engine.sequence import GuidedDecoding, SamplingError, SamplingParams
 from bucketserve.server.errors import invalid_request
 from bucketserve.server.generation import Job
-from bucketserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from bucketserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
+from bucketserve.server.tools import ToolPlan, render_messages
 
 
 class TokenizerLike(Protocol):
@@ -90,11 +96,31 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
                                   "prompt")
 
 
-def chat_prompt(req: ChatCompletionRequest, tok: TokenizerLike, max_model_len: int) -> Prompt:
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in req.messages]
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as the template takes them (developer -> system; tool fields kept)."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                             "content": m.text()}
+        if m.tool_calls is not None:
+            d["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def chat_prompt(req: ChatCompletionRequest, tok: TokenizerLike, max_model_len: int,
+                plan: ToolPlan | None = None, add_generation_prompt: bool = True) -> Prompt:
+    messages = message_dicts(req.messages)
+    kwargs: dict[str, Any] = {}
+    if plan is not None:
+        messages, kwargs = render_messages(messages, plan, getattr(tok, "chat_template", None))
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                       **kwargs)
     except Exception as exc:  # noqa: BLE001 - a template refusing the messages is a client error
         raise invalid_request(f"the chat template cannot render these messages: {exc}",
                               "messages") from exc
@@ -113,7 +139,8 @@ def check_context(prompt_len: int, max_tokens: int, max_model_len: int, param: s
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
-                    choice: int) -> SamplingParams:
+                    choice: int, guided: GuidedDecoding | None = None,
+                    logit_bias: dict[int, float] | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -131,6 +158,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            logit_bias=logit_bias,
+            guided=guided,
         )
     except SamplingError as exc:
         raise invalid_request(str(exc), exc.param) from exc
@@ -148,19 +177,23 @@ def check_queue_room(num_prompts: int, n: int, max_waiting: int) -> None:
             "too_many_sequences")
 
 
-def completion_jobs(req: CompletionRequest, prompts: list[Prompt], max_model_len: int) -> list[Job]:
+def completion_jobs(req: CompletionRequest, prompts: list[Prompt], max_model_len: int,
+                    guided: GuidedDecoding | None = None,
+                    logit_bias: dict[int, float] | None = None) -> list[Job]:
     """n jobs per prompt, prompt-major: job index = prompt index * n + choice."""
     max_tokens = req.max_tokens if req.max_tokens is not None else 16
     jobs = []
     for p in prompts:
         check_context(len(p.token_ids), max_tokens, max_model_len, "max_tokens")
         for i in range(req.n):
-            jobs.append(Job(p.token_ids, sampling_params(req, max_tokens, req.logprobs, i)))
+            jobs.append(Job(p.token_ids, sampling_params(req, max_tokens, req.logprobs, i,
+                                                         guided, logit_bias)))
     return jobs
 
 
 def chat_jobs(req: ChatCompletionRequest, prompt: Prompt, max_model_len: int,
-              pool_tokens: int) -> list[Job]:
+              pool_tokens: int, guided: GuidedDecoding | None = None,
+              logit_bias: dict[int, float] | None = None) -> list[Job]:
     """`pool_tokens`: how many tokens one sequence can hold in the KV pool."""
     n_prompt = len(prompt.token_ids)
     max_tokens = req.requested_max_tokens
@@ -169,5 +202,5 @@ def chat_jobs(req: ChatCompletionRequest, prompt: Prompt, max_model_len: int,
         max_tokens = max(1, min(max_model_len, pool_tokens) - n_prompt)
     check_context(n_prompt, max_tokens, max_model_len, "max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return [Job(prompt.token_ids, sampling_params(req, max_tokens, logprobs, i))
+    return [Job(prompt.token_ids, sampling_params(req, max_tokens, logprobs, i, guided, logit_bias))
             for i in range(req.n)]

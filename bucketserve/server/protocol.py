@@ -5,8 +5,9 @@ becomes a 400 with OpenAI's error body (see errors.py), whose `param` names the 
 that need the model (context length, vocabulary) live in prompts.py.
 
 Unknown request fields are ignored, as vLLM does, so that clients sending newer OpenAI fields
-keep working. Known fields we cannot honour (logit_bias, suffix, best_of != n, tools, echo with
-logprobs) are refused by `check()` instead of being silently dropped.
+keep working. Known fields we cannot honour (suffix, best_of != n, functions, echo with
+logprobs) are refused by `check()` instead of being silently dropped. Structured output,
+logit_bias and tools are checked by server/structured.py and server/tools.py.
 """
 
 from __future__ import annotations
@@ -135,6 +136,15 @@ class SamplingFields(_Request):
         default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: Bool = True
     priority: Int = Field(default=0, ge=SEED_MIN, le=SEED_MAX)  # lower value is admitted first
+    # structured output (server/structured.py checks them; docs/structured-output.md)
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
 
     def check(self) -> None:
         """Cross-field rules; raises APIError(400) naming the field."""
@@ -146,9 +156,6 @@ class SamplingFields(_Request):
         if any(len(s) > MAX_STOP_CHARS for s in self.stop_list):
             raise invalid_request(f"a stop string may have at most {MAX_STOP_CHARS} characters",
                                   "stop")
-        if self.logit_bias:
-            raise invalid_request("logit_bias is not supported by this server; remove it",
-                                  "logit_bias")
 
     @property
     def stop_list(self) -> list[str]:
@@ -194,6 +201,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -208,14 +217,17 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int | None = Field(default=None, ge=1)  # OpenAI's newer name
     logprobs: Bool = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    # tool calling (server/tools.py checks them)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None  # legacy: refused
+    function_call: Any = None  # legacy: refused
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if self.tools:
-            raise invalid_request("tools are not supported by this server; remove them", "tools")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -270,7 +282,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -300,3 +313,28 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: Bool = True
+    add_special_tokens: Bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Annotated[Int, Field(ge=0, le=INT32_MAX)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -63,17 +63,29 @@ def load_engine(args: argparse.Namespace, seams: Seams | None = None):
 
 
 def load_add_ons(args: argparse.Namespace, buckets, seams: Seams | None = None) -> list[AddOn]:
-    """The embeddings service, when a model is asked for."""
-    if args.embedding_model.lower() == "none":
-        return []
-    from bucketserve.server import embeddings  # a broken import must fail the start, loudly
-    t0 = time.perf_counter()
+    """The embeddings and rerank services, when their models are asked for."""
+    add_ons: list[AddOn] = []
     name = args.embedding_dtype or args.dtype
     # float16 keeps more mantissa than bfloat16: the encoder's vectors stay within cosine
     # 0.9999 of float32 ones
     dtype = (_torch_dtype("float16", args.device) if name == "auto" and args.device == "cuda"
              else _torch_dtype(name, args.device))
-    add_on = embeddings.build_add_on(args.embedding_model, device=args.device, dtype=dtype,
-                                     buckets=buckets, faults=seams.faults if seams else None)
-    log.info("embedding model %s loaded in %.1f s", add_on.model_name, time.perf_counter() - t0)
-    return [add_on]
+    faults = seams.faults if seams else None
+    if args.embedding_model.lower() != "none":
+        from bucketserve.server import embeddings  # a broken import must fail the start, loudly
+
+        t0 = time.perf_counter()
+        add_on = embeddings.build_add_on(args.embedding_model, device=args.device, dtype=dtype,
+                                         buckets=buckets, faults=faults)
+        log.info("embedding model %s loaded in %.1f s", add_on.model_name,
+                 time.perf_counter() - t0)
+        add_ons.append(add_on)
+    if args.rerank_model:
+        from bucketserve.server import rerank
+
+        t0 = time.perf_counter()
+        add_on = rerank.build_add_on(args.rerank_model, device=args.device, dtype=dtype,
+                                     buckets=buckets)
+        log.info("rerank model %s loaded in %.1f s", add_on.model_name, time.perf_counter() - t0)
+        add_ons.append(add_on)
+    return add_ons

@@ -1,0 +1,136 @@
+"""Issue 18 must-show 3: what guided decoding costs under load, and whether grammar compilation
+stalls other streams. One server (bucketserve, or any OpenAI server such as vLLM given by
+--server-cmd), the mixed workload of `bucketserve bench` split in two halves sent at the same
+time by two load clients: run A "plain" (both halves free text), run B "schema" (the second
+half carries a JSON-schema response_format; every request a different schema, so each one
+compiles). Reported per run: output tok/s and ITL p99 of all streams and of the free-text half;
+then the ratios B / A (targets: tok/s >= 0.9x, ITL p99 <= 1.2x).
+
+H200 (1B shape, random weights): start each server on the same model directory, e.g.
+  python bench/structured_gpu.py --server-cmd "bucketserve serve --model /tmp/model-llama-1b
+      --device cuda --port 8000" --out /tmp/structured_bucketserve.json
+  python bench/structured_gpu.py --server-cmd "vllm serve /tmp/model-llama-1b --port 8000
+      --no-enable-prefix-caching" --out /tmp/structured_vllm.json
+(bench/online_gpu_vs_vllm.sh shows how the random-weight 1B directory is made.)
+Dry run on a CPU (the default model, a few requests, to check the flow):
+  PYTHONPATH=$PWD python bench/structured_gpu.py --dry-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+SCHEMA_COUNT = 4096  # distinct schemas: field names vary, so none is a cache hit
+
+
+def schema(i: int) -> dict:
+    """A bounded schema, different for every i (the names carry i)."""
+    return {"type": "object", "properties": {
+        f"name_{i}": {"type": "string", "maxLength": 24},
+        f"count_{i}": {"type": "integer", "minimum": 0, "maximum": 10**6},
+        f"tags_{i}": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 6},
+        f"kind_{i}": {"enum": ["alpha", "beta", "gamma"]}},
+        "required": [f"name_{i}", f"count_{i}", f"tags_{i}", f"kind_{i}"]}
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, limit_s: float = 900.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("server not healthy in time")
+
+
+def bench_half(base: str, args, half: str, schema_offset: int | None, out: Path) -> subprocess.Popen:
+    """One load client: `bucketserve bench` on half of the streams. With schema_offset, every
+    request carries a JSON schema (a per-request extra: the workload's JSONL `extra` field)."""
+    workload = out.with_suffix(".jsonl")
+    gen = [sys.executable, "-m", "bucketserve.bench", "bench", "--base-url", base, "--dry-run",
+           "--num-requests", str(args.requests // 2), "--prompt-len", args.prompt_len,
+           "--output-len", args.output_len, "--endpoint", "chat", "--prompt-kind", "text",
+           "--seed", str(1 if half == "b" else 0), "--save-trace", str(workload)]
+    subprocess.run(gen, check=True, stdout=subprocess.DEVNULL)
+    if schema_offset is not None:
+        lines = [json.loads(x) for x in workload.read_text().splitlines() if x.strip()]
+        for j, d in enumerate(lines):
+            d["extra"] = {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "s", "schema": schema(schema_offset + j), "strict": True}}}
+        workload.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    cmd = [sys.executable, "-m", "bucketserve.bench", "bench", "--base-url", base, "--workload",
+           str(workload), "--concurrency", str(args.requests // 2), "--out", str(out),
+           "--per-request-out", str(out.with_suffix(".requests.jsonl"))]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+
+
+def run_pair(base: str, args, with_schema: bool, tag: str, tmp: Path, offset: int) -> dict:
+    a = bench_half(base, args, "a", None, tmp / f"{tag}_a.json")
+    b = bench_half(base, args, "b", offset if with_schema else None, tmp / f"{tag}_b.json")
+    for p in (a, b):
+        if p.wait() != 0:
+            raise RuntimeError(f"load client failed ({tag})")
+    sa, sb = (json.loads((tmp / f"{tag}_{h}.json").read_text()) for h in ("a", "b"))
+    return {"free_half": sa, "second_half": sb,
+            "output_tok_s": sa["output_throughput"] + sb["output_throughput"],
+            "free_itl_p99_ms": sa["itl_ms"].get("p99"),
+            "errors": sa["errors"] + sb["errors"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--server-cmd", default=None, help="starts the server (else: --base-url)")
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--requests", type=int, default=256, help="streams (half get schemas)")
+    ap.add_argument("--prompt-len", default="loguniform:16:1024")
+    ap.add_argument("--output-len", default="uniform:16:256")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="CPU: default model, 8 streams")
+    args = ap.parse_args()
+    proc = None
+    if args.dry_run:
+        args.requests, args.prompt_len, args.output_len = 8, "uniform:8:32", "uniform:8:24"
+        args.server_cmd = args.server_cmd or (f"{sys.executable} -m bucketserve.server.cli serve "
+                                              "--port 8765 --embedding-model none")
+        args.base_url = "http://127.0.0.1:8765"
+    if args.server_cmd:
+        proc = subprocess.Popen(shlex.split(args.server_cmd))
+    try:
+        if proc is not None:
+            wait_healthy(args.base_url, proc)
+        with tempfile.TemporaryDirectory() as d:
+            tmp = Path(d)
+            plain = run_pair(args.base_url, args, False, "plain", tmp, 0)
+            schema_run = run_pair(args.base_url, args, True, "schema", tmp, SCHEMA_COUNT)
+        report = {"plain": plain, "schema": schema_run,
+                  "tok_s_ratio": schema_run["output_tok_s"] / plain["output_tok_s"],
+                  "free_itl_p99_ratio": (schema_run["free_itl_p99_ms"] / plain["free_itl_p99_ms"]
+                                         if plain["free_itl_p99_ms"] else None)}
+        print(json.dumps({k: report[k] for k in ("tok_s_ratio", "free_itl_p99_ratio")}))
+        print(f"plain: {plain['output_tok_s']:.0f} tok/s, free-half ITL p99 "
+              f"{plain['free_itl_p99_ms']} ms; schema: {schema_run['output_tok_s']:.0f} tok/s, "
+              f"free-half ITL p99 {schema_run['free_itl_p99_ms']} ms; errors "
+              f"{plain['errors']} / {schema_run['errors']}")
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Grammar-constrained decoding and logit_bias in the engine (engine/structured.py), on the
+default model (SmolLM2-135M, CPU), synchronous and overlapped scheduling."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future
+
+import jsonschema
+import pytest
+
+from bucketserve.buckets import load_buckets
+from bucketserve.engine.llm_engine import LLMEngine
+from bucketserve.engine.sequence import GuidedDecoding, SamplingParams
+from bucketserve.engine.structured import GrammarError, check_guided
+from bucketserve.models import load_model
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["name", "age", "tags"]}
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("smollm2-135m-instruct", device="cpu")
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlapped"])
+def engine(request, loaded):
+    return LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), "cpu",
+                     async_scheduling=request.param)
+
+
+@pytest.fixture(scope="module")
+def overlapped(loaded):
+    return LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), "cpu",
+                     async_scheduling=True)
+
+
+def prompt(engine: LLMEngine, text: str) -> list[int]:
+    tok = engine.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def test_guided_kinds_match_and_stop(engine):
+    p = prompt(engine, "Describe a person as JSON.")
+    params = [
+        SamplingParams(max_tokens=80, temperature=0, guided=GuidedDecoding("json", json.dumps(PERSON))),
+        SamplingParams(max_tokens=80, temperature=0.9, seed=3,
+                       guided=GuidedDecoding("json", json.dumps(PERSON))),
+        SamplingParams(max_tokens=40, temperature=0, guided=GuidedDecoding("json_object")),
+        SamplingParams(max_tokens=20, temperature=0.7, seed=1,
+                       guided=GuidedDecoding("choice", json.dumps(["red", "green", "blue"]))),
+        SamplingParams(max_tokens=20, temperature=0, guided=GuidedDecoding("regex", r"[0-9]{3}-[a-z]{2}")),
+        SamplingParams(max_tokens=20, temperature=0,
+                       guided=GuidedDecoding("grammar", 'root ::= "yes" | "no" | "maybe"')),
+        SamplingParams(max_tokens=8, temperature=0),  # unconstrained batch mate
+    ]
+    outs = engine.generate([p] * len(params), params)
+    for o in outs[:2]:
+        jsonschema.validate(json.loads(o.text), PERSON)
+        assert " " not in o.text.replace(json.loads(o.text)["name"], "")  # compact separators
+    # any JSON object is unbounded: it stops as a whole object or runs to max_tokens
+    assert outs[2].text.startswith("{")
+    if outs[2].finish_reason == "stop":
+        assert isinstance(json.loads(outs[2].text), dict)
+    assert outs[3].text in ("red", "green", "blue")
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[4].text)
+    assert outs[5].text in ("yes", "no", "maybe")
+    assert all(outs[i].finish_reason == "stop" for i in (0, 1, 3, 4, 5))
+    # the unconstrained row is what it is alone
+    alone = engine.generate([p], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert outs[6].token_ids == alone.token_ids
+
+
+def test_logit_bias(overlapped):
+    engine = overlapped
+    tok = engine.tokenizer
+    p = prompt(engine, "Say something.")
+    forced = tok.encode(" banana", add_special_tokens=False)[0]
+    out = engine.generate([p], SamplingParams(max_tokens=5, temperature=0.8, seed=0,
+                                              logit_bias={forced: 100.0}))[0]
+    assert out.token_ids == [forced] * 5
+    free = engine.generate([p], SamplingParams(max_tokens=3, temperature=0))[0]
+    banned = engine.generate([p], SamplingParams(max_tokens=3, temperature=0,
+                                                 logit_bias={free.token_ids[0]: -100.0}))[0]
+    assert banned.token_ids[0] != free.token_ids[0]
+
+
+def test_compiling_grammar_does_not_stall_others(overlapped, monkeypatch):
+    """A request whose grammar is not compiled yet waits in the queue; others run."""
+    engine = overlapped
+    pending: Future = Future()
+    real_submit = engine.grammar_compiler.submit
+    monkeypatch.setattr(engine.grammar_compiler, "submit", lambda g: pending)
+    p = prompt(engine, "Pick a colour.")
+    guided = engine.add_request(p, SamplingParams(
+        max_tokens=10, temperature=0, guided=GuidedDecoding("choice", '["red","blue"]')))
+    other = engine.add_request(p, SamplingParams(max_tokens=4, temperature=0))
+    finished = {}
+    for _ in range(20):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if other.request_id in finished:
+            break
+    assert other.request_id in finished and guided.num_computed_tokens == 0
+    pending.set_result(real_submit(guided.params.guided).result())
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished[guided.request_id].text in ("red", "blue")
+
+
+def test_bad_specs_are_refused_up_front():
+    for g in [GuidedDecoding("json", '{"type": "nonsense"}'), GuidedDecoding("json", "{"),
+              GuidedDecoding("regex", "(unclosed"), GuidedDecoding("choice", "[]"),
+              GuidedDecoding("grammar", "root ::= missing_rule"), GuidedDecoding("nope")]:
+        with pytest.raises(GrammarError):
+            check_guided(g)
+
+
+def test_logit_bias_validated():
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={5: 101.0})
+
+
+def test_preemption_keeps_the_matcher(loaded, overlapped):
+    """A pool too small for the batch preempts guided sequences (recompute); their matchers
+    stay with them, so the greedy outputs equal those of a roomy pool."""
+    buckets = load_buckets(None, max_model_len=loaded.max_model_len)
+    p = prompt(overlapped, "Describe a person as JSON.")
+    blocks = -(-(len(p) + 40) // buckets.block_size) + 1
+    tight = LLMEngine(loaded, buckets, "cpu", num_blocks=blocks * 2 + 1, async_scheduling=True)
+    params = [SamplingParams(max_tokens=40, temperature=0,
+                             guided=GuidedDecoding("json", json.dumps(PERSON)))] * 4
+    outs = tight.generate([p] * 4, params)
+    assert tight.stats.preemptions_total > 0
+    want = overlapped.generate([p], params[:1])[0]
+    for o in outs:
+        assert o.token_ids == want.token_ids and o.finish_reason == "stop"
+        jsonschema.validate(json.loads(o.text), PERSON)
