@@ -24,7 +24,9 @@ EXIT_BOUND_S = 60.0  # a bound on a busy machine, not a measurement
 
 
 def core_pid(server: LiveServer) -> int:
-    m = re.search(r"engine core ready in process (\d+)", server.log())
+    # --api-workers N: the supervisor's line is there at once; worker 0's "ready" line may come
+    # after another worker already answered /health
+    m = re.search(r"engine core (?:ready|started) in process (\d+)", server.log())
     assert m, server.log()
     return int(m.group(1))
 
