@@ -76,7 +76,9 @@ class Server:
                            ("cpu_memory_gib = 1.0\n" if device == "cpu" else ""))
         flags = [] if setting == "auto" else ["--api-workers", setting]
         cmd = [sys.executable, "-c",
-               "import sys; from bucketserve.server.cli import main; sys.exit(main())",
+               # bench.hooks: the plain server unless BUCKETSERVE_FAKE_RUNNER / _FAKE_CORE
+               # are set (then their stand-ins: docs/frontend.md's fake-device runs)
+               "import sys; from bucketserve.bench.hooks import main; sys.exit(main())",
                "serve", "--port", str(self.port), "--model", model, "--device", device,
                "--buckets", str(buckets), "--embedding-model", "none", *flags]
         self.log_path = workdir / f"server_{setting}.log"
