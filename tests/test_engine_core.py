@@ -343,3 +343,18 @@ def test_errors_cross_the_split_and_text_failures_end_the_request_in_the_front_e
         assert dict(ae.stats.finished) == {"error": 1}  # counted once, as the client saw it
 
     run(scenario)
+
+
+def test_engine_options_from_the_serve_command_line():
+    from bucketserve.engine.options import EngineOptions
+    from bucketserve.server.options import build_parser
+
+    args = build_parser().parse_args([
+        "serve", "--model", "m", "--device", "cuda", "--dtype", "bfloat16", "--buckets", "b.toml",
+        "--log-level", "debug", "--nvtx", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
+    assert EngineOptions.from_args(args) == EngineOptions(
+        model="m", device="cuda", dtype="bfloat16", buckets_path="b.toml", log_level="debug",
+        nvtx=True, quantization="fp8", kv_cache_dtype="fp8")
+    # the dataclass's defaults are the command line's
+    assert EngineOptions.from_args(build_parser().parse_args(["serve"])) == EngineOptions(
+        "smollm2-135m-instruct")

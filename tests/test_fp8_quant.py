@@ -75,9 +75,10 @@ def test_serve_refuses_fp8_on_the_cpu_before_starting(flags, capsys):
 
 def test_engine_refuses_fp8_on_the_cpu():
     from bucketserve.engine.core import build_engine
+    from bucketserve.engine.options import EngineOptions
 
     with pytest.raises(QuantizationUnsupported, match="--quantization fp8 refused"):
-        build_engine("smollm2-135m-instruct", "cpu", "auto", None, quantization="fp8")
+        build_engine(EngineOptions("smollm2-135m-instruct", quantization="fp8"))
 
 
 def test_quantize_on_load_gives_the_checkpoint_format():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bucketserve.engine.block_manager import BlockManager
+from bucketserve.engine.kv_budget import KVLayout, StepLimits
 from bucketserve.engine.runner import ModelRunner
 from bucketserve.engine.sampler import Sampler
 from bucketserve.engine.scheduler import ScheduledBatch
@@ -121,9 +122,10 @@ def greedy_batch(rng: random.Random, bm: BlockManager, num_decodes: int,
 
 def make_runner(model) -> ModelRunner:
     cfg = model.config
-    return ModelRunner(model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 400, BS,
-                       torch.device("cpu"), torch.float32, Sampler([2]), max_num_seqs=32,
-                       max_num_tokens=512, max_model_len=1024)
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BS, torch.float32)
+    limits = StepLimits(max_num_seqs=32, max_num_tokens=512, max_model_len=1024)
+    return ModelRunner(model, layout, 400, limits, torch.device("cpu"), torch.float32,
+                       Sampler([2]))
 
 
 def test_runner_replays_or_runs_eagerly_as_the_cost_model_says() -> None:
@@ -179,3 +181,11 @@ def test_stats_count_padding_per_step_kind() -> None:
     assert stats.padding_share("prefill") == 0.0
     assert stats.padding_share() == pytest.approx(116 / 1620)
     assert stats.padding_share("unknown") == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_kv_layout_counts_the_bytes_its_pool_takes(dtype) -> None:
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=BS, dtype=dtype)
+    pool = layout.pool(5, "cpu")
+    assert pool.shape == (3, 2, 5, BS, 2, 8) and pool.dtype == dtype
+    assert pool.numel() * pool.element_size() == 5 * layout.bytes_per_block()

@@ -37,6 +37,7 @@ from bucketserve.engine.messages import (
     SeqOutput,
     StepOutputs,
 )
+from bucketserve.engine.options import EngineOptions
 from bucketserve.engine.output_processor import TextProcessor
 from bucketserve.engine.outputs import QueueFullError, RequestOutput
 from bucketserve.engine.sequence import SamplingParams
@@ -107,16 +108,11 @@ class AsyncEngine:
         return cls(ThreadCore(engine), engine.faults)
 
     @classmethod
-    def spawn(cls, model: str, device: str = "cpu", dtype: str = "auto",
-              buckets_path: str | None = None, log_level: str = "info",
-              nvtx: bool = False, quantization: str | None = None,
-              kv_cache_dtype: str | None = None, seams: Seams | None = None) -> AsyncEngine:
+    def spawn(cls, options: EngineOptions, seams: Seams | None = None) -> AsyncEngine:
         """Starts the core process, which loads and warms up the model; returns once it is
-        ready (raises CoreStartError if it fails). quantization / kv_cache_dtype: the CLI's
+        ready (raises CoreStartError if it fails). `options`: the model and the CLI's
         overrides of the TOML (core.build_engine); `seams`: a test's (engine/faults.py)."""
-        return cls(ProcessCore(model, device, dtype, buckets_path, log_level, nvtx,
-                               quantization, kv_cache_dtype, seams),
-                   seams.faults if seams else None)
+        return cls(ProcessCore(options, seams), seams.faults if seams else None)
 
     # ---- what the server reads ---------------------------------------------------------
 

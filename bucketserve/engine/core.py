@@ -40,6 +40,7 @@ from bucketserve.engine.messages import (
     input_codec,
     output_codec,
 )
+from bucketserve.engine.options import EngineOptions
 from bucketserve.engine.outputs import RequestOutput
 from bucketserve.engine.sequence import SamplingParams, Sequence
 
@@ -237,29 +238,20 @@ class Router:
 class CoreConfig:
     """What `bucketserve serve` hands the core process (picklable)."""
 
-    model: str
-    device: str
-    dtype: str  # "auto" | "float32" | "bfloat16" | "float16"
-    buckets_path: str | None
+    options: EngineOptions
     # one (input, output) address pair per front-end process (--api-workers): the core PULLs
     # requests from every input address and PUSHes each front end's StepOutputs to its own
     input_addresses: tuple[str, ...]
     output_addresses: tuple[str, ...]
     parent_pid: int
-    log_level: str = "info"
-    nvtx: bool = False  # an NVTX range per engine step (LLMEngine nvtx)
-    quantization: str | None = None  # --quantization (None: the TOML's model.quantization)
-    kv_cache_dtype: str | None = None  # --kv-cache-dtype (None: the TOML's kv_cache.dtype)
     seams: Seams | None = None  # a test's or benchmark's stand-ins (engine/faults.py)
 
 
-def build_engine(model: str, device: str, dtype: str, buckets_path: str | None,
-                 nvtx: bool = False, quantization: str | None = None,
-                 kv_cache_dtype: str | None = None, faults: FaultPlan | None = None) -> LLMEngine:
+def build_engine(options: EngineOptions, faults: FaultPlan | None = None) -> LLMEngine:
     """Model, buckets, KV pool and a warm-up generation (every stage runs once).
-    quantization / kv_cache_dtype (the CLI flags) override the TOML's model.quantization and
-    kv_cache.dtype; FP8 on a device without FP8 tensor cores raises QuantizationUnsupported
-    (a one-line ValueError) before anything is loaded."""
+    options.quantization / kv_cache_dtype (the CLI flags) override the TOML's
+    model.quantization and kv_cache.dtype; FP8 on a device without FP8 tensor cores raises
+    QuantizationUnsupported (a one-line ValueError) before anything is loaded."""
     import dataclasses
 
     import torch
@@ -268,19 +260,20 @@ def build_engine(model: str, device: str, dtype: str, buckets_path: str | None,
     from bucketserve.kernels.quant import resolve_quant_plan
     from bucketserve.models import load_model
 
+    device, dtype = options.device, options.dtype
     torch_dtype = ((torch.bfloat16 if device == "cuda" else torch.float32) if dtype == "auto"
                    else getattr(torch, dtype))
-    buckets = load_buckets(buckets_path)
+    buckets = load_buckets(options.buckets_path)
     buckets = dataclasses.replace(
-        buckets, quantization=quantization or buckets.quantization,
-        kv_cache_dtype=kv_cache_dtype or buckets.kv_cache_dtype)
+        buckets, quantization=options.quantization or buckets.quantization,
+        kv_cache_dtype=options.kv_cache_dtype or buckets.kv_cache_dtype)
     quant = resolve_quant_plan(device, buckets.quantization, buckets.kv_cache_dtype)
     log.info("%s", quant.describe())
     t0 = time.perf_counter()
-    loaded = load_model(model, device=device, dtype=torch_dtype, quantization=quant.weights)
+    loaded = load_model(options.model, device=device, dtype=torch_dtype, quantization=quant.weights)
     t_model = time.perf_counter() - t0
     buckets = buckets.check_model(loaded.max_model_len)
-    engine = LLMEngine(loaded, buckets, device, nvtx=nvtx, quant=quant, faults=faults)
+    engine = LLMEngine(loaded, buckets, device, nvtx=options.nvtx, quant=quant, faults=faults)
     bm = engine.block_manager
     log.info("model %s loaded in %.1f s (max_model_len %d); KV pool: %d blocks of %d tokens",
              engine.model_name, t_model, engine.max_model_len, bm.num_usable_blocks, bm.block_size)
@@ -309,7 +302,7 @@ def run_core_process(cfg: CoreConfig) -> None:
     # drains, then sends Shutdown. The core ends on that message or when its parent is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=cfg.log_level.upper(),
+    logging.basicConfig(level=cfg.options.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -337,13 +330,12 @@ def run_core_process(cfg: CoreConfig) -> None:
     code = 0
     try:
         try:
-            if cfg.device == "cpu":  # BUCKETSERVE_CPU_AFFINITY (kernels/cpu_threads.py)
+            if cfg.options.device == "cpu":  # BUCKETSERVE_CPU_AFFINITY (kernels/cpu_threads.py)
                 from bucketserve.kernels.cpu_threads import apply_engine_layout
 
                 apply_engine_layout()
             seams = cfg.seams or Seams()
-            engine = build_engine(cfg.model, cfg.device, cfg.dtype, cfg.buckets_path, cfg.nvtx,
-                                  cfg.quantization, cfg.kv_cache_dtype, seams.faults)
+            engine = build_engine(cfg.options, seams.faults)
             if seams.prepare_engine is not None:
                 seams.prepare_engine(engine)
             core = (seams.make_core or EngineCore)(engine)

@@ -37,6 +37,7 @@ from bucketserve.engine.messages import (
     input_codec,
     output_codec,
 )
+from bucketserve.engine.options import EngineOptions
 
 log = logging.getLogger("bucketserve.core")
 
@@ -115,17 +116,13 @@ def core_addresses(directory: str, num_clients: int) -> tuple[tuple[str, ...], t
             tuple(f"ipc://{directory}/out{k}" for k in range(num_clients)))
 
 
-def spawn_core(model: str, device: str, dtype: str, buckets_path: str | None, log_level: str,
-               nvtx: bool, directory: str, num_clients: int, quantization: str | None = None,
-               kv_cache_dtype: str | None = None,
+def spawn_core(options: EngineOptions, directory: str, num_clients: int,
                seams: Seams | None = None) -> multiprocessing.Process:
     """Starts the core process (spawn, not fork: a fresh interpreter, whatever threads this
     process already runs); it connects to every front end's addresses in `directory`."""
     inputs, outputs = core_addresses(directory, num_clients)
-    cfg = CoreConfig(model=model, device=device, dtype=dtype, buckets_path=buckets_path,
-                     input_addresses=inputs, output_addresses=outputs,
-                     parent_pid=os.getpid(), log_level=log_level, nvtx=nvtx,
-                     quantization=quantization, kv_cache_dtype=kv_cache_dtype, seams=seams)
+    cfg = CoreConfig(options=options, input_addresses=inputs, output_addresses=outputs,
+                     parent_pid=os.getpid(), seams=seams)
     proc = multiprocessing.get_context("spawn").Process(
         target=run_core_process, args=(cfg,), name="bucketserve-core")
     proc.start()
@@ -141,16 +138,11 @@ class ProcessCore:
     --api-workers N, whose parent started the core); then `client` tags its requests so the
     core routes their outputs back here, and the core's death is seen through a pidfd."""
 
-    def __init__(self, model: str, device: str = "cpu", dtype: str = "auto",
-                 buckets_path: str | None = None, log_level: str = "info",
-                 nvtx: bool = False, quantization: str | None = None,
-                 kv_cache_dtype: str | None = None, seams: Seams | None = None) -> None:
+    def __init__(self, options: EngineOptions, seams: Seams | None = None) -> None:
         self._dir = tempfile.mkdtemp(prefix="bucketserve-core-")
         self._own_dir = True
         self._bind(self._dir, 0)
-        self.proc: multiprocessing.Process | None = spawn_core(
-            model, device, dtype, buckets_path, log_level, nvtx, self._dir, 1, quantization,
-            kv_cache_dtype, seams)
+        self.proc: multiprocessing.Process | None = spawn_core(options, self._dir, 1, seams)
         self._core_fd = self.proc.sentinel
         self._setup()
 

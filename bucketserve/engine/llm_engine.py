@@ -27,7 +27,7 @@ from bucketserve.buckets import BucketsConfig, BucketSpec, load_buckets
 from bucketserve.engine.admission import RequestError, admit
 from bucketserve.engine.block_manager import BlockManager
 from bucketserve.engine.faults import FaultPlan
-from bucketserve.engine.kv_budget import gpu_kv_budget_blocks, kv_bytes_per_block
+from bucketserve.engine.kv_budget import KVLayout, StepLimits, gpu_kv_budget_blocks
 from bucketserve.engine.messages import RequestLimits
 from bucketserve.engine.output_processor import OutputProcessor
 from bucketserve.engine.outputs import RequestOutput
@@ -86,10 +86,14 @@ class LLMEngine:
                              f"model was loaded with {weights!r}")
         self.quant = quant
         self.kv_dtype = quant.kv_dtype(dtype)
-        per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                       buckets.block_size, self.kv_dtype)
+        layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, buckets.block_size,
+                          self.kv_dtype)
+        limits = StepLimits(max_num_seqs=self.max_running,
+                            max_num_tokens=self.max_batched_tokens,
+                            max_model_len=self.max_model_len)
+        per_block = layout.bytes_per_block()
         if num_blocks is None:
-            num_blocks = self._budget_blocks(per_block, cuda_graphs and piecewise_graphs)
+            num_blocks = self._budget_blocks(layout, limits, cuda_graphs and piecewise_graphs)
         log.info("%s; KV pool %s: %d blocks = %d tokens (%.2f GiB)", quant.describe(),
                  str(self.kv_dtype).removeprefix("torch."), num_blocks,
                  num_blocks * buckets.block_size, num_blocks * per_block / 2**30)
@@ -110,11 +114,8 @@ class LLMEngine:
             max_prefill_tokens=buckets.prefill_chunk_tokens(self.device.type),
         )
         sampler = Sampler(self.tokenizer.eos_token_ids)
-        self.runner = ModelRunner(loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                  num_blocks, buckets.block_size, self.device, dtype, sampler,
-                                  max_num_seqs=self.max_running,
-                                  max_num_tokens=self.max_batched_tokens,
-                                  max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
+        self.runner = ModelRunner(loaded.model, layout, num_blocks, limits, self.device, dtype,
+                                  sampler)
         self.cuda_info: dict = {}
         if self.device.type == "cuda":
             pw = buckets.piecewise_token_counts(self.max_batched_tokens) if piecewise_graphs else None
@@ -152,20 +153,17 @@ class LLMEngine:
         buckets = load_buckets(buckets_path, max_model_len=loaded.max_model_len)
         return cls(loaded, buckets, device)
 
-    def _budget_blocks(self, per_block: int, piecewise_graphs: bool) -> int:
+    def _budget_blocks(self, layout: KVLayout, limits: StepLimits, piecewise_graphs: bool) -> int:
         # No point in more blocks than the running sequences can ever fill.
         useful = self.max_running * -(-self.max_model_len // self.buckets.block_size) + 1
         if self.device.type == "cuda":
             # sized after a warm-up forward at the largest step (kv_budget.gpu_kv_budget_blocks)
-            cfg, b = self.loaded.config, self.buckets
             blocks, _ = gpu_kv_budget_blocks(
-                self.loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b.block_size,
-                self.kv_dtype, self.max_batched_tokens, self.max_running,
-                self.max_model_len, b.gpu_memory_fraction, self.device,
+                self.loaded.model, layout, limits, self.buckets.gpu_memory_fraction, self.device,
                 reserve_graph_activations=piecewise_graphs)
             return max(2, min(blocks, useful))
         budget = self.buckets.cpu_memory_gib * 2**30
-        return max(2, min(int(budget // per_block), useful))
+        return max(2, min(int(budget // layout.bytes_per_block()), useful))
 
     def info(self) -> dict[str, str]:
         """What runs, for /metrics (bucketserve_engine_info) and `bucketserve bench`'s report:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from bucketserve.engine.kv_budget import KVLayout, StepLimits
 from bucketserve.engine.sampler import Sampler
 from bucketserve.engine.scheduler import ScheduledBatch
 from bucketserve.engine.sequence import Sequence, TokenLogprob
@@ -293,32 +294,28 @@ class RunnerStep:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
-                 num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 sampler: Sampler, max_num_seqs: int, max_num_tokens: int,
-                 max_model_len: int, kv_dtype: torch.dtype | None = None) -> None:
-        """max_num_seqs / max_num_tokens: the most sequences and tokens a step can hold (the
-        scheduler's limits); max_model_len: the longest sequence (the block-table width);
-        dtype: the model's; kv_dtype: the KV pool's (None: dtype; float8_e4m3fn: an FP8
-        pool, kernels/quant.py)."""
+    def __init__(self, model: torch.nn.Module, layout: KVLayout, num_blocks: int,
+                 limits: StepLimits, device: torch.device, dtype: torch.dtype,
+                 sampler: Sampler) -> None:
+        """A KV pool of `num_blocks` blocks of `layout` (its dtype: the model's, or FP8,
+        kernels/quant.py); `limits`: the largest step and the longest sequence; dtype: the
+        model's."""
         self.model = model
         self.device = device
         self.dtype = dtype
-        self.block_size = block_size
+        self.block_size = block_size = layout.block_size
         self.num_blocks = num_blocks
         self.sampler = sampler
-        # [layers, k/v, blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                                    dtype=kv_dtype or dtype, device=device)
+        self.kv_cache = layout.pool(num_blocks, device)
         model.bind_kv_cache(self.kv_cache)
         if device.type == "cpu" and hasattr(model, "pack_cpu_weights") and model.pack_cpu_weights():
             log.info("CPU: projections use a packed sgemm (oneDNN or MKL: BUCKETSERVE_CPU_GEMM)")
         log.info("KV pool: %d blocks of %d tokens, %.2f GiB", num_blocks, block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
-        self.max_blocks = -(-max_model_len // block_size)
-        self.max_model_len = max_model_len
-        self.inputs = StepInputs(max(max_num_tokens, max_num_seqs), max_num_seqs, self.max_blocks,
-                                 block_size, device)
+        self.max_blocks = -(-limits.max_model_len // block_size)
+        self.max_model_len = limits.max_model_len
+        self.inputs = StepInputs(max(limits.max_num_tokens, limits.max_num_seqs),
+                                 limits.max_num_seqs, self.max_blocks, block_size, device)
         self.graphs = None  # kernels.cuda_graphs.DecodeGraphs when captured
         # prefill / mixed steps: kernels.cuda_graphs.MixedGraphs or PiecewiseGraphs when captured
         self.piecewise = None
@@ -340,7 +337,7 @@ class ModelRunner:
         self._host_tokens: list[torch.Tensor] = []
         self._token_events: list[torch.cuda.Event] = []
         if device.type == "cuda":
-            self._host_tokens = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=True)
+            self._host_tokens = [torch.zeros(limits.max_num_seqs, dtype=torch.int64, pin_memory=True)
                                  for _ in range(2)]
             self._token_events = [torch.cuda.Event(), torch.cuda.Event()]
         self._parity = 0

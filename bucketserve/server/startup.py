@@ -43,20 +43,19 @@ def load_engine(args: argparse.Namespace, seams: Seams | None = None):
     from bucketserve.buckets import load_buckets
     from bucketserve.engine.async_engine import AsyncEngine
     from bucketserve.engine.core import build_engine
+    from bucketserve.engine.options import EngineOptions
 
     load_buckets(args.buckets)  # a bad file fails here, before a process is started
     seams = seams or Seams()
+    options = EngineOptions.from_args(args)
     if args.engine_in_process:
-        core = build_engine(args.model, args.device, args.dtype, args.buckets, args.nvtx,
-                            args.quantization, args.kv_cache_dtype, seams.faults)
+        core = build_engine(options, seams.faults)
         if seams.prepare_engine is not None:
             seams.prepare_engine(core)
         engine = AsyncEngine.in_process(core)
     else:
         t0 = time.perf_counter()
-        engine = AsyncEngine.spawn(args.model, args.device, args.dtype, args.buckets,
-                                   args.log_level, args.nvtx, args.quantization,
-                                   args.kv_cache_dtype, seams)
+        engine = AsyncEngine.spawn(options, seams)
         log.info("engine core ready in process %d after %.1f s", engine.core.pid,
                  time.perf_counter() - t0)
     return engine, load_buckets(args.buckets, max_model_len=engine.max_model_len)

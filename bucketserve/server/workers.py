@@ -72,6 +72,7 @@ def serve_workers(args: argparse.Namespace, load_add_ons: Callable, run_http: Ca
     this module does not import the CLI that imports it)."""
     from bucketserve.buckets import ConfigError, load_buckets
     from bucketserve.engine.core_client import spawn_core
+    from bucketserve.engine.options import EngineOptions
 
     n = args.api_workers
     if args.engine_in_process:
@@ -87,8 +88,7 @@ def serve_workers(args: argparse.Namespace, load_add_ons: Callable, run_http: Ca
     directory = tempfile.mkdtemp(prefix="bucketserve-")
     metrics_dir = os.path.join(directory, "metrics")
     os.mkdir(metrics_dir)
-    core = spawn_core(args.model, args.device, args.dtype, args.buckets, args.log_level,
-                      args.nvtx, directory, n, args.quantization, args.kv_cache_dtype, seams)
+    core = spawn_core(EngineOptions.from_args(args), directory, n, seams)
     log.info("engine core started in process %d; %d API workers", core.pid, n)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers
     ctx = multiprocessing.get_context("spawn")
