@@ -63,7 +63,7 @@ def start(name: str, tree: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
 
 
 def bench(url: str, kind: str, seed: int, args: argparse.Namespace, out: Path) -> float:
-    common = [sys.executable, "-m", "bucketserve.bench", "--base-url", url, "--seed", str(seed),
+    common = [sys.executable, "-m", "bucketserve.bench", "bench", "--base-url", url, "--seed", str(seed),
               "--warmup", "2", "--out", str(out)]
     if kind == "generation":
         cmd = common + ["--num-requests", str(args.requests), "--concurrency",
