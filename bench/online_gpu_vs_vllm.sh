@@ -4,8 +4,11 @@
 # closed loop at each concurrency, REPS timed runs each after the same warm-up; then bucketserve's own
 # offline engine on the same requests (token ids), for the online / offline ratio.
 #
-#   TOK=DIR WORKLOAD=FILE SHAPE=smollm2-135m|llama-1b CS="256 64" REPS=3 VLLM_SITE=DIR OUT=DIR \
+#   TOK=DIR WORKLOAD=FILE SHAPE=smollm2-135m|llama-1b|llama-8b CS="256 64" REPS=3 VLLM_SITE=DIR OUT=DIR \
 #     bash bench/online_gpu_vs_vllm.sh
+# SHAPE llama-8b: Llama-3.1-8B's shape, untied, with SmolLM2's 49,152-token vocabulary (as llama-1b).
+# VLLM_ARGS / OURS_ARGS: extra flags for each server, e.g. VLLM_ARGS="--quantization fp8"
+# OURS_ARGS="--quantization fp8" (LABEL_SUFFIX=_fp8 keeps such runs' files apart).
 # TOK: SmolLM2's tokenizer.json / tokenizer_config.json / config.json (no weights needed).
 # VLLM_SITE: vLLM 0.25.1 and its server's dependencies installed with `pip install --target`; unset or
 # SKIP_VLLM=1 runs bucketserve only. DEV=cpu tries the flow on a CPU (float32). vLLM runs with prefix caching off (the timed runs repeat prompts).
@@ -23,14 +26,31 @@ os.makedirs(d, exist_ok=True)
 for f in os.listdir(tok):
     shutil.copy(os.path.join(tok, f), d)
 cfg = LlamaConfig.from_pretrained(d)
-if shape == "llama-1b":  # Llama-3.2-1B's shape with SmolLM2's 49,152-token vocabulary
-    cfg.update(dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=64))
-cfg.tie_word_embeddings = True
+shapes = {  # Llama-3.2-1B's and Llama-3.1-8B's shapes with SmolLM2's 49,152-token vocabulary
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+}
+over = dict(shapes.get(shape, {}), tie_word_embeddings=shape != "llama-8b")
+for k, v in over.items():
+    setattr(cfg, k, v)
+def write_config():  # the shape's values written out explicitly (a copied config.json must not win)
+    import json
+    path = os.path.join(d, "config.json")
+    with open(path) as f:
+        js = json.load(f)
+    js.update(over)
+    js.pop("layer_types", None)
+    with open(path, "w") as f:
+        json.dump(js, f, indent=1)
+if os.path.exists(os.path.join(d, "model.safetensors.index.json")) or os.path.exists(os.path.join(d, "model.safetensors")):
+    write_config(); print(shape, "random weights already in", d); sys.exit(0)
 torch.manual_seed(0)
 with torch.device(dev):
     m = LlamaForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32)
 m.save_pretrained(d)
+write_config()
 print(shape, "random bf16 weights:", sum(p.numel() for p in m.parameters()), "parameters")
 PY
 up() {  # port pid
@@ -46,16 +66,16 @@ load() {  # port system
 if [ -z "${SKIP_VLLM:-}" ] && [ -n "${VLLM_SITE:-}" ]; then
   PYTHONPATH=$VLLM_SITE VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 python3 -m vllm.entrypoints.openai.api_server \
     --model "$M" --served-model-name m --dtype bfloat16 --max-model-len 2048 --port 8100 \
-    --gpu-memory-utilization 0.85 --no-enable-prefix-caching > "$OUT/vllm_${SHAPE}_server.log" 2>&1 &
-  VP=$!; if up 8100 $VP; then load 8100 vllm; else tail -20 "$OUT/vllm_${SHAPE}_server.log"; fi
+    --gpu-memory-utilization 0.85 --no-enable-prefix-caching ${VLLM_ARGS:-} > "$OUT/vllm${LABEL_SUFFIX:-}_${SHAPE}_server.log" 2>&1 &
+  VP=$!; if up 8100 $VP; then load 8100 "vllm${LABEL_SUFFIX:-}"; else tail -20 "$OUT/vllm${LABEL_SUFFIX:-}_${SHAPE}_server.log"; fi
   kill $VP 2>/dev/null; wait $VP 2>/dev/null; sleep 3
 fi
 if [ -z "${SKIP_OURS:-}" ]; then
   # the timed runs repeat the same prompts: prefix caching off on both sides (PREFIX=1 keeps ours on)
   B="$OUT/ours.toml"; [ -n "${PREFIX:-}" ] && : > "$B" || printf '[kv_cache]\nprefix_caching = false\n' > "$B"
   python3 -m bucketserve.server.cli serve --buckets "$B" --host 127.0.0.1 --port 8200 --model "$M" \
-    --embedding-model none --device "$DEV" --api-workers "$API_WORKERS" > "$OUT/ours_${SHAPE}_server.log" 2>&1 &
-  BP=$!; if up 8200 $BP; then load 8200 ours; else tail -20 "$OUT/ours_${SHAPE}_server.log"; fi
+    --embedding-model none --device "$DEV" --api-workers "$API_WORKERS" ${OURS_ARGS:-} > "$OUT/ours${LABEL_SUFFIX:-}_${SHAPE}_server.log" 2>&1 &
+  BP=$!; if up 8200 $BP; then load 8200 "ours${LABEL_SUFFIX:-}"; else tail -20 "$OUT/ours${LABEL_SUFFIX:-}_${SHAPE}_server.log"; fi
   kill -TERM $BP 2>/dev/null; wait $BP 2>/dev/null
   [ -z "${SKIP_OFFLINE:-}" ] && PYTHONPATH="$ROOT:${PYTHONPATH:-}" python3 bench/offline_workload.py --model "$M" --workload "$WORKLOAD" \
     --device "$DEV" --buckets "$B" --repeats "$REPS" --out "$OUT/offline_${SHAPE}.json" > "$OUT/offline_${SHAPE}.log" 2>&1

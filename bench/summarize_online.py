@@ -43,7 +43,7 @@ def main() -> int:
                "errors": sum(r["errors"] for r in runs),
                "completed": [r["completed"] for r in runs]}
         summary["rows"].append(rec)
-        print(f"{shape} {system:5s} C={c:<4d} out {rec['output_tok_s']:9.0f} tok/s  "
+        print(f"{shape} {system:8s} C={c:<4d} out {rec['output_tok_s']:9.0f} tok/s  "
               f"TTFT p50/p99 {rec['ttft_p50_ms']:7.0f}/{rec['ttft_p99_ms']:7.0f} ms  "
               f"ITL p50/p99 {rec['itl_p50_ms']:6.1f}/{rec['itl_p99_ms']:6.1f} ms  "
               f"errors {rec['errors']}  runs {[round(x) for x in rec['output_tok_s_all']]}")
@@ -55,15 +55,18 @@ def main() -> int:
             offline = json.load(f)["median_output_tok_s"]
         summary["offline_output_tok_s"] = offline
         print(f"{shape} ours offline (same requests, ids only): {offline:.0f} tok/s")
-    for c in sorted({k[1] for k in by}):
-        ours, vllm = by.get(("ours", c)), by.get(("vllm", c))
-        if ours and vllm:
+    # "ours" pairs with "vllm", "ours_fp8" with "vllm_fp8" (the script's LABEL_SUFFIX)
+    for (system, c), ours in sorted(by.items()):
+        if not system.startswith("ours"):
+            continue
+        suffix, vllm = system[4:], by.get(("vllm" + system[4:], c))
+        if vllm:
             ratio = ours["output_tok_s"] / vllm["output_tok_s"]
-            summary[f"ratio_vs_vllm_c{c}"] = ratio
-            print(f"{shape} C={c}: bucketserve / vLLM output tok/s {ratio:.2f}x; ITL p50 "
+            summary[f"ratio_vs_vllm{suffix}_c{c}"] = ratio
+            print(f"{shape}{suffix} C={c}: bucketserve / vLLM output tok/s {ratio:.2f}x; ITL p50 "
                   f"{ours['itl_p50_ms']:.1f} vs {vllm['itl_p50_ms']:.1f} ms; TTFT p50 "
                   f"{ours['ttft_p50_ms']:.0f} vs {vllm['ttft_p50_ms']:.0f} ms")
-        if ours and offline:
+        if offline and not suffix:
             summary[f"online_over_offline_c{c}"] = ours["output_tok_s"] / offline
             print(f"{shape} C={c}: online / offline {ours['output_tok_s'] / offline:.2f}")
     with open(os.path.join(out, f"summary_{shape}.json"), "w") as f:
