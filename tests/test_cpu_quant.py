@@ -55,7 +55,11 @@ def assert_fp32_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
 
 
 @needs_kernels
-def test_blocks_dequantize_to_the_gguf_values_and_multiply_in_fp32(smollm2_path):
+@pytest.mark.parametrize("max_rows", [cpu_quant.Q_GEMM_MAX_ROWS, 64])
+def test_blocks_dequantize_to_the_gguf_values_and_multiply_in_fp32(smollm2_path, max_rows,
+                                                                    monkeypatch):
+    """max_rows 64: rows above it take the dequantize + PyTorch sgemm path."""
+    monkeypatch.setattr(cpu_quant, "Q_GEMM_MAX_ROWS", max_rows)
     names = ("blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight")
     weights = gguf_weights(smollm2_path, names)
     assert {q for q, _, _ in weights.values()} == {cpu_quant.Q4_1, cpu_quant.Q8_0}
@@ -64,7 +68,7 @@ def test_blocks_dequantize_to_the_gguf_values_and_multiply_in_fp32(smollm2_path)
         n, k = ref.shape
         assert torch.equal(cpu_quant.dequantize(qtype, blocks, k), ref), name  # bit for bit
         rows = (1, 7, 16) if name == "token_embd.weight" else (1, 7, 16, 65, 130)
-        for m in rows:  # 65, 130: above Q_GEMM_MAX_ROWS, the dequantize + sgemm path
+        for m in rows:
             x = torch.randn(m, k)
             bias = torch.randn(n) if m == 7 else None
             assert_fp32_close(cpu_quant.q_linear(x, qtype, blocks, k, bias), x, ref, bias)
