@@ -21,13 +21,15 @@ HERE = Path(__file__).resolve().parent
 # that every script of bench/ is here once and in its section of the README)
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Served LLM (HTTP)", (
-        "online_gpu_vs_vllm.sh", "summarize_online.py", "cpu_vs_vllm.py", "online_split.py",
+        "online_gpu_vs_vllm.sh", "summarize_online.py", "cpu_vs_vllm.py", "cpu_vs_llamacpp.py",
+        "online_split.py",
         "long_prompt_ttft.py", "chat_workload.py", "chat_gpu_vs_vllm.sh", "bucket_tuning.py",
         "structured_gpu.py", "structured_schemas.py", "ray_gpu.sh", "ray_overhead_cpu.sh")),
     ("Offline engine", (
         "offline_throughput.py", "offline_workload.py", "gpu_throughput.py", "gpu_8b.py",
-        "decode_itl_gpu.py", "vllm_itl_peer.py", "cpu_profile.py", "fp8_accuracy_gpu.py")),
-    ("Kernels", ("attention_gpu.py", "gemm_gpu.py", "bert_fused_gpu.py")),
+        "decode_itl_gpu.py", "vllm_itl_peer.py", "cpu_profile.py", "fp8_accuracy_gpu.py",
+        "cpu_quant_accuracy.py")),
+    ("Kernels", ("attention_gpu.py", "gemm_gpu.py", "bert_fused_gpu.py", "cpu_quant_kernels.py")),
     ("Host cost and the front end", (
         "frontend_capacity.py", "frontend_sizing.py", "embeddings_frontend.py",
         "core_overhead.py", "ipc_microbench.py", "client_capacity.py")),

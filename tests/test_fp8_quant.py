@@ -58,8 +58,8 @@ def test_fp8_is_refused_on_the_cpu_with_one_line_saying_why():
     assert plan == QuantPlan(weights="none", kv_cache="auto", gemm="dense", device="cpu")
     assert plan.kv_dtype(torch.float32) == torch.float32
     assert "weights none" in plan.describe()
-    with pytest.raises(ValueError, match="quantization 'int8'"):
-        resolve_quant_plan("cpu", "int8")
+    with pytest.raises(ValueError, match="quantization 'int4'"):
+        resolve_quant_plan("cpu", "int4")
 
 
 @pytest.mark.parametrize("flags", [["--quantization", "fp8"], ["--kv-cache-dtype", "fp8"]])

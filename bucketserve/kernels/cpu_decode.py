@@ -112,7 +112,8 @@ def _flags(openmp: bool) -> list[str]:
             "-fopenmp" if openmp else "-fopenmp-simd"]
 
 
-def build_target(cc: str, flags: list[str], features: set[str]) -> Path:
+def build_target(cc: str, flags: list[str], features: set[str],
+                 source: Path = _SOURCE) -> Path:
     """The cached build's path: keyed by the source, the compiler's version, the flags, the
     architecture and the CPU's feature flags (so a cache shared by machines of different
     instruction sets never hands one machine another's build)."""
@@ -122,18 +123,19 @@ def build_target(cc: str, flags: list[str], features: set[str]) -> Path:
     except OSError:
         version = []
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), repr(version).encode(), " ".join(flags).encode(),
+    for part in (source.read_bytes(), repr(version).encode(), " ".join(flags).encode(),
                  platform.machine().encode(), " ".join(sorted(features)).encode()):
         key.update(part)
         key.update(b"\0")
-    return _cache_dir() / f"cpu_kernels-isa{host_isa(features)}-{key.hexdigest()[:16]}.so"
+    return _cache_dir() / f"{source.stem}-isa{host_isa(features)}-{key.hexdigest()[:16]}.so"
 
 
-def _build(cc: str, flags: list[str], target: Path) -> None:
+def build(cc: str, flags: list[str], target: Path, source: Path = _SOURCE) -> None:
+    """Compiles `source` into the shared library `target` (atomically replaced)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [cc, *flags, str(_SOURCE), "-o", str(out), "-lm"]
+        cmd = [cc, *flags, str(source), "-o", str(out), "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         os.replace(out, target)  # atomic: concurrent builders never see a partial file
 
@@ -179,7 +181,7 @@ def load() -> ctypes.CDLL | None:
     target = build_target(cc, flags, features)
     try:
         if not target.exists():
-            _build(cc, flags, target)
+            build(cc, flags, target)
         lib = ctypes.CDLL(str(target))
         _bind(lib)
     except (OSError, RuntimeError, subprocess.CalledProcessError, AttributeError) as exc:

@@ -13,22 +13,31 @@ from dataclasses import dataclass
 import torch
 
 from bucketserve.buckets.config import KV_CACHE_DTYPES, QUANTIZATION_MODES
+from bucketserve.kernels.cpu_quant import CPU_MODES, describe_kernels
 from bucketserve.kernels.fp8 import FP8_DTYPE
 
 # FP8 tensor cores (and torch._scaled_mm): Ada (8.9), Hopper (9.0) and newer
 FP8_MIN_CAPABILITY = (8, 9)
 
 
+# --quantization -> how the projections multiply (QuantPlan.gemm)
+_GEMMS = {"none": "dense", "fp8": "fp8-rowwise", "q4_1": "q4_1-blocks", "int8": "int8-dynamic"}
+
+
 class QuantizationUnsupported(ValueError):
-    """FP8 asked for on a device without FP8 tensor cores; str() is one line saying why."""
+    """FP8 asked for on a device without FP8 tensor cores, or a CPU weight format (q4_1, int8)
+    off the CPU; str() is one line saying why."""
 
 
 @dataclass(frozen=True)
 class QuantPlan:
-    """weights: "none" | "fp8"; kv_cache: "auto" | "fp8"; gemm: how the decoder's projections
-    multiply ("dense": the model dtype through cuBLAS / the CPU GEMMs; "fp8-rowwise":
-    torch._scaled_mm on FP8 tensor cores, one scale per activation row and per weight output
-    channel, bf16 out); device: the device it was resolved for (with its compute capability)."""
+    """weights: "none" | "fp8" | "q4_1" | "int8"; kv_cache: "auto" | "fp8"; gemm: how the
+    decoder's projections multiply ("dense": the model dtype through cuBLAS / the CPU GEMMs;
+    "fp8-rowwise": torch._scaled_mm on FP8 tensor cores, one scale per activation row and per
+    weight output channel, bf16 out; "q4_1-blocks": the GGUF's Q4_1 blocks times float32
+    activations, kernels/csrc/quant_gemm.c; "int8-dynamic": int8 per-channel weights, fbgemm's
+    dynamic int8 linear); device: the device it was resolved for (with its compute
+    capability)."""
 
     weights: str = "none"
     kv_cache: str = "auto"
@@ -40,8 +49,11 @@ class QuantPlan:
         return FP8_DTYPE if self.kv_cache == "fp8" else model_dtype
 
     def describe(self) -> str:
-        return (f"quantization: weights {self.weights}, KV cache {self.kv_cache}, projections "
+        text = (f"quantization: weights {self.weights}, KV cache {self.kv_cache}, projections "
                 f"{self.gemm} on {self.device}")
+        if self.weights in CPU_MODES:
+            text += f" ({describe_kernels(self.weights)})"
+        return text
 
 
 def _fp8_refusal(device: torch.device) -> str | None:
@@ -71,6 +83,10 @@ def resolve_quant_plan(device: torch.device | str, quantization: str = "none",
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
+    if quantization in CPU_MODES and device.type != "cpu":
+        raise QuantizationUnsupported(
+            f"--quantization {quantization} refused: it is a CPU weight format and the device "
+            f"is {device.type}; use --quantization none or fp8 there")
     wants = [what for what, on in (("--quantization fp8", quantization == "fp8"),
                                    ("--kv-cache-dtype fp8", kv_cache_dtype == "fp8")) if on]
     if wants:
@@ -82,4 +98,4 @@ def resolve_quant_plan(device: torch.device | str, quantization: str = "none",
         cap = torch.cuda.get_device_capability(device)
         where = f"{device} ({torch.cuda.get_device_name(device)}, sm_{cap[0]}{cap[1]})"
     return QuantPlan(weights=quantization, kv_cache=kv_cache_dtype,
-                     gemm="fp8-rowwise" if quantization == "fp8" else "dense", device=where)
+                     gemm=_GEMMS[quantization], device=where)

@@ -11,7 +11,7 @@ implementation serves both sources. Qwen2 files are written without that reorder
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,9 @@ class GGUFContents:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]  # HF names, float32, unfused
     tokenizer: Tokenizer
+    # read_gguf(keep_blocks=...): HF name -> (gguf qtype, [N, row bytes] uint8 blocks) of the
+    # tensors kept in their GGUF blocks (projections: instead of a float32 entry in tensors)
+    blocks: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 # ---- file parsing ----------------------------------------------------------------------
@@ -217,8 +220,14 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     )
 
 
-def read_gguf(path: str | Path) -> GGUFContents:
-    """Parses the header, dequantizes every tensor to float32, builds the tokenizer."""
+def read_gguf(path: str | Path, keep_blocks: frozenset[int] = frozenset()) -> GGUFContents:
+    """Parses the header, dequantizes every tensor to float32, builds the tokenizer.
+
+    keep_blocks: gguf qtypes whose tensors are also kept in their GGUF blocks
+    (GGUFContents.blocks, rows un-permuted like the float32 ones): the decoder projections
+    then have no float32 entry in tensors (they are used as blocks only, never dequantized);
+    the token embedding keeps both (the lookup reads float32 rows, the tied LM head the
+    blocks)."""
     import gguf  # imported here: only GGUF loading needs it
 
     path = Path(path)
@@ -232,14 +241,24 @@ def read_gguf(path: str | Path) -> GGUFContents:
     config = config_from_metadata(meta, names)
     permuted = GGUF_ARCHITECTURES[meta["general.architecture"]][1]
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, tuple[int, torch.Tensor]] = {}
     for t in raw:
+        name = hf_name(t.name)
+        if t.qtype in keep_blocks and t.data.ndim == 2:
+            b = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # a copy out of the file map
+            if permuted and ".q_proj." in name:
+                b = unpermute_rows(b, config.num_heads)
+            elif permuted and ".k_proj." in name:
+                b = unpermute_rows(b, config.num_kv_heads)
+            blocks[name] = (t.qtype, b)
+            if name != "model.embed_tokens.weight":
+                continue
         # [out, in] float32
         arr = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.qtype))
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         if not arr.flags.writeable:  # F32 tensors come back as read-only views of the file
             arr = arr.copy()
         w = torch.from_numpy(arr)
-        name = hf_name(t.name)
         if permuted and ".q_proj." in name:
             w = unpermute_rows(w, config.num_heads)
         elif permuted and ".k_proj." in name:
@@ -247,4 +266,4 @@ def read_gguf(path: str | Path) -> GGUFContents:
         tensors[name] = w
     tokenizer = Tokenizer.from_gguf_metadata(
         {k: v for k, v in meta.items() if k.startswith("tokenizer.")})
-    return GGUFContents(config, tensors, tokenizer)
+    return GGUFContents(config, tensors, tokenizer, blocks)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bucketserve.buckets.config import GEMV_MODES
-from bucketserve.kernels import cpu_decode
+from bucketserve.kernels import cpu_decode, cpu_quant
 from bucketserve.kernels.attention import AttentionBackend, get_forward_context
 from bucketserve.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_per_channel
 from bucketserve.kernels.fp8_ops import (
@@ -215,6 +215,8 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, in
 
 def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
     """(packed, weight, bias) of a Linear applied to x [T, in] (no module call overhead)."""
+    if isinstance(lin, QuantLinear):
+        return lin(x)
     packed, weight, bias = lin
     if packed is None:
         return F.linear(x, weight, bias)
@@ -307,9 +309,44 @@ def quantize_state_dict_fp8(state: dict[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
-def _projection(in_features: int, out_features: int, bias: bool, fp8: bool,
-                **factory) -> Linear | Fp8Linear:
-    return (Fp8Linear if fp8 else Linear)(in_features, out_features, bias=bias, **factory)
+class QuantLinear(nn.Module):
+    """A CPU projection with quantized weights (kernels/cpu_quant.py), float32 in and out.
+    mode "q4_1": weight [out, in / 32 * 20] uint8, the GGUF's Q4_1 blocks (Q8_0 blocks, 34
+    bytes per 32, for an LM head: `qtype`); mode "int8": weight [out, in] int8 and weight_scale
+    [out] float32 (symmetric, per output channel), times int8 activation rows (one scale per
+    row, quantized per call). The bias stays float32."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, mode: str,
+                 device=None, dtype: torch.dtype | None = None, qtype: int = cpu_quant.Q4_1) -> None:
+        super().__init__()
+        self.mode, self.in_features, self.qtype = mode, in_features, qtype
+        if mode == "q4_1":
+            shape, wdtype = (out_features, cpu_quant.block_bytes(qtype, in_features)), torch.uint8
+            self.register_parameter("weight_scale", None)
+        else:
+            shape, wdtype = (out_features, in_features), torch.int8
+            self.weight_scale = nn.Parameter(torch.empty(out_features, device=device),
+                                             requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=wdtype, device=device),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype),
+                                 requires_grad=False) if bias else None
+        self._wsum: torch.Tensor | None = None  # int8: int32 [out] row sums, on first use
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "q4_1":
+            return cpu_quant.q_linear(x, self.qtype, self.weight, self.in_features, self.bias)
+        if self._wsum is None:
+            self._wsum = self.weight.sum(dim=1, dtype=torch.int32)
+        return cpu_quant.int8_linear(x, self.weight, self._wsum, self.weight_scale, self.bias)
+
+
+def _projection(in_features: int, out_features: int, bias: bool, quantization: str,
+                **factory) -> Linear | Fp8Linear | QuantLinear:
+    if quantization in cpu_quant.CPU_MODES:
+        return QuantLinear(in_features, out_features, bias, quantization, **factory)
+    return (Fp8Linear if quantization == "fp8" else Linear)(in_features, out_features,
+                                                             bias=bias, **factory)
 
 
 class Embedding(nn.Module):
@@ -336,8 +373,8 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, fp8: bool = False,
-                 **factory) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
+                 quantization: str = "none", **factory) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -346,9 +383,9 @@ class LlamaAttention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
         self.qkv_proj = _projection(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                    config.attention_bias, fp8, **factory)
-        self.o_proj = _projection(self.q_size, config.hidden_size, config.o_proj_bias, fp8,
-                                  **factory)
+                                    config.attention_bias, quantization, **factory)
+        self.o_proj = _projection(self.q_size, config.hidden_size, config.o_proj_bias,
+                                  quantization, **factory)
         self.attn_backend = attn_backend
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
         self.v_cache: torch.Tensor | None = None
@@ -392,13 +429,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, fp8: bool = False, **factory) -> None:
+    def __init__(self, config: ModelConfig, quantization: str = "none", **factory) -> None:
         super().__init__()
         self.inter = config.intermediate_size
         self.gate_up_proj = _projection(config.hidden_size, 2 * self.inter, config.mlp_bias,
-                                        fp8, **factory)
-        self.down_proj = _projection(self.inter, config.hidden_size, config.mlp_bias, fp8,
-                                     **factory)
+                                        quantization, **factory)
+        self.down_proj = _projection(self.inter, config.hidden_size, config.mlp_bias,
+                                     quantization, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)  # [T, 2I]
@@ -407,13 +444,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, fp8: bool = False,
-                 **factory) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
+                 quantization: str = "none", **factory) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = LlamaAttention(config, attn_backend, fp8, **factory)
+        self.self_attn = LlamaAttention(config, attn_backend, quantization, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = LlamaMLP(config, fp8, **factory)
+        self.mlp = LlamaMLP(config, quantization, **factory)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h [T, H] is the residual stream; it is updated in place and returned."""
@@ -423,11 +460,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, fp8: bool = False,
-                 **factory) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
+                 quantization: str = "none", **factory) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attn_backend, fp8, **factory)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attn_backend, quantization,
+                                                      **factory)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
 
@@ -448,7 +486,8 @@ class LlamaForCausalLM(nn.Module):
 
     Constructed directly, the parameters are uninitialised: use loader.load_model or
     loader.build_dummy_model to get weights. quantization "fp8": the FP8_PROJECTIONS are
-    Fp8Linear (state dict: quantize_state_dict_fp8's form)."""
+    Fp8Linear (state dict: quantize_state_dict_fp8's form); "q4_1" / "int8" (CPU): they are
+    QuantLinear, and the loader may set lm_head_quant (a QuantLinear for the logits)."""
 
     fused_ops = True  # CUDA: run _forward_fused (benchmarks switch it off to compare)
     cpu_kernels = True  # float32 CPU: run _forward_cpu (the C row-wise ops), when they build
@@ -457,16 +496,18 @@ class LlamaForCausalLM(nn.Module):
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, quantization: str = "none") -> None:
         super().__init__()
-        if quantization not in ("none", "fp8"):
-            raise ValueError(f"quantization {quantization!r}; expected 'none' or 'fp8'")
+        if quantization not in ("none", "fp8", *cpu_quant.CPU_MODES):
+            raise ValueError(f"quantization {quantization!r}; expected none, fp8, "
+                             f"{', '.join(cpu_quant.CPU_MODES)}")
         factory = {"device": device, "dtype": dtype}
         self.config = config
         self.quantization = quantization
         self.attn_backend = attn_backend or AttentionBackend()
-        self.model = LlamaModel(config, self.attn_backend, quantization == "fp8", **factory)
+        self.model = LlamaModel(config, self.attn_backend, quantization, **factory)
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
         self._lm_head_packed: torch.Tensor | None = None  # see pack_cpu_weights
+        self.lm_head_quant: QuantLinear | None = None  # the logits' QuantLinear (CPU modes)
         self._lm_head_gemv: tuple[int, int, int, int] | None = None  # see use_gemv
         self._cpu_plan: list[tuple] | None = None  # see _forward_cpu
         self._threads_set_for: int | None = None  # the thread _apply_cpu_threads ran in
@@ -522,7 +563,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _cpu_kernels_apply(self, input_ids: torch.Tensor) -> bool:
         if not self.cpu_kernels or input_ids.device.type != "cpu" or torch.is_grad_enabled() \
-                or self.quantization != "none":
+                or self.quantization == "fp8":
             return False
         w = self.model.embed_tokens.weight
         a = self.model.layers[0].self_attn
@@ -533,8 +574,8 @@ class LlamaForCausalLM(nn.Module):
     def _plan(self) -> list[tuple]:
         """Per layer, what _forward_cpu reads (looked up once, not per step)."""
         if self._cpu_plan is None:
-            def lin(m: Linear) -> tuple:
-                return (m.packed, m.weight, m.bias)
+            def lin(m: Linear | QuantLinear) -> tuple | QuantLinear:
+                return m if isinstance(m, QuantLinear) else (m.packed, m.weight, m.bias)
 
             plan = []
             for layer in self.model.layers:
@@ -657,7 +698,7 @@ class LlamaForCausalLM(nn.Module):
         sgemm (cpu_gemm_backend); the original weights stay for the embedding lookup and for autograd. Returns
         False (and changes nothing) where packing does not apply."""
         w = self.model.embed_tokens.weight
-        if not pack_linear_weights(self, w):
+        if self.quantization in cpu_quant.CPU_MODES or not pack_linear_weights(self, w):
             return False
         self._cpu_plan = None
         self._lm_head_packed = pack_weight(w if self.lm_head is None else self.lm_head.weight)
@@ -707,6 +748,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32 (only the rows passed in are projected)."""
+        if self.lm_head_quant is not None:
+            return self.lm_head_quant(hidden)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self._lm_head_gemv is not None and hidden.shape[0] == 1:
             return _gemv(hidden, w, self._lm_head_gemv).float()

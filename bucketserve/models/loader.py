@@ -14,11 +14,17 @@ from pathlib import Path
 
 import torch
 
+from bucketserve.kernels import cpu_quant
 from bucketserve.kernels.attention import AttentionBackend
 from bucketserve.kernels.fp8 import dequantize_fp8, quantize_fp8_per_channel
 from bucketserve.models.config import ModelConfig
 from bucketserve.models.fp8_checkpoint import apply_fp8_checkpoint, fuse_fp8_linear
-from bucketserve.models.llama import LlamaForCausalLM, quantize_state_dict_fp8
+from bucketserve.models.llama import (
+    FP8_PROJECTIONS,
+    LlamaForCausalLM,
+    QuantLinear,
+    quantize_state_dict_fp8,
+)
 from bucketserve.models.registry import resolve
 from bucketserve.models.tokenizer import Tokenizer
 
@@ -65,7 +71,11 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
                attn_backend: AttentionBackend | None = None,
                quantization: str = "none") -> LoadedModel:
     """Registered name ("smollm2-135m-instruct"), a Hugging Face directory or a .gguf path.
-    quantization "fp8": the decoder projections quantized on load (quantize_state_dict_fp8)."""
+    quantization "fp8": the decoder projections quantized on load (quantize_state_dict_fp8);
+    "q4_1" (CPU, a GGUF whose projections are Q4_1): the projections kept in their GGUF
+    blocks and the tied LM head in the token embedding's (Q8_0) blocks; "int8" (CPU): the
+    projections and the LM head quantized on load, per output channel
+    (kernels/cpu_quant.py)."""
     dtype = resolve_dtype(dtype)
     device = torch.device(device)
     entry = resolve(name_or_path)
@@ -73,19 +83,84 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
         raise ValueError(
             f"{entry.name!r} is an embedding model, not a text generator; serve it through the "
             "embeddings endpoint (bucketserve.models.bert_loader)")
+    why = quantization_refusal(entry.path, quantization, device, dtype)
+    if why is not None:
+        raise ValueError(why)
+    blocks: dict[str, tuple[int, torch.Tensor]] = {}
     if entry.path.suffix == ".gguf":
         from bucketserve.models.gguf_loader import read_gguf
 
-        contents = read_gguf(entry.path)
+        keep = frozenset(cpu_quant.BLOCKS) if quantization == "q4_1" else frozenset()
+        contents = read_gguf(entry.path, keep_blocks=keep)
         config, tensors, tokenizer = contents.config, contents.tensors, contents.tokenizer
+        blocks = contents.blocks
     else:
         config, tensors = read_hf_dir(entry.path)
         tokenizer = Tokenizer.from_hf_dir(entry.path)
         if not tokenizer.eos_token_ids and config.eos_token_ids:
             tokenizer.eos_token_ids = set(config.eos_token_ids)
     backend = attn_backend or get_backend(device)
-    model = model_from_hf_tensors(config, tensors, device, dtype, backend, quantization)
+    model = model_from_hf_tensors(config, {**tensors, **_projection_blocks(blocks)}, device,
+                                  dtype, backend, quantization)
+    if quantization in cpu_quant.CPU_MODES:
+        model.lm_head_quant = _quantized_lm_head(model, blocks)
     return LoadedModel(model, tokenizer, config, entry.name, config.max_position_embeddings)
+
+
+def quantization_refusal(path: Path, quantization: str, device: torch.device | str = "cpu",
+                         dtype: torch.dtype | str = torch.float32) -> str | None:
+    """Why `quantization` cannot serve the checkpoint at `path` (one line), or None. The CPU
+    modes (q4_1, int8) need the CPU and float32; q4_1 needs a GGUF file whose decoder
+    projections are all Q4_1 blocks (read from the header only)."""
+    if quantization not in cpu_quant.CPU_MODES:
+        return None
+    if torch.device(device).type != "cpu":
+        return (f"--quantization {quantization} is a CPU weight format; on "
+                f"{torch.device(device).type} use --quantization none or fp8")
+    if resolve_dtype(dtype) != torch.float32:
+        return f"--quantization {quantization} computes in float32; use --dtype float32 (or auto)"
+    if quantization != "q4_1":
+        return None
+    if path.suffix != ".gguf":
+        return (f"--quantization q4_1 multiplies a GGUF file's own Q4_1 blocks; {path} is not a "
+                ".gguf file (use --quantization int8 for a Hugging Face checkpoint)")
+    from bucketserve.models.gguf_loader import _PER_LAYER, read_gguf_file
+
+    _, raw = read_gguf_file(path)
+    projections = {f".{kind}." for kind in _PER_LAYER if not kind.endswith("_norm")}
+    other = sorted({cpu_quant.QTYPE_NAMES.get(t.qtype, str(t.qtype)) for t in raw
+                    if any(p in t.name for p in projections) and t.qtype != cpu_quant.Q4_1})
+    if other:
+        return (f"--quantization q4_1 needs a GGUF whose projections are Q4_1 blocks; {path.name} "
+                f"has projections in {', '.join(other)} (use --quantization int8 or none)")
+    return None
+
+
+def _projection_blocks(blocks: dict[str, tuple[int, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The decoder projections' GGUF blocks (uint8 [N, row bytes]), by HF name: fused like
+    float32 weights (rows concatenated) by fuse_hf_tensors."""
+    return {name: b for name, (_, b) in blocks.items()
+            if name not in ("model.embed_tokens.weight", "lm_head.weight")}
+
+
+def _quantized_lm_head(model: LlamaForCausalLM,
+                       blocks: dict[str, tuple[int, torch.Tensor]]) -> QuantLinear | None:
+    """The LM head as a QuantLinear: q4_1, the GGUF's own blocks of the LM head (the token
+    embedding when tied) where they are Q4_1 or Q8_0 (else None: the float32 head); int8, the
+    float32 head quantized per output channel."""
+    c = model.config
+    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    if model.quantization == "q4_1":
+        qtype, b = blocks.get("model.embed_tokens.weight" if c.tie_word_embeddings
+                              else "lm_head.weight", (None, None))
+        if qtype not in cpu_quant.BLOCKS or c.hidden_size % 32:
+            return None
+        lin = QuantLinear(c.hidden_size, c.vocab_size, False, "q4_1", qtype=qtype)
+        lin.weight.data = b
+    else:
+        lin = QuantLinear(c.hidden_size, c.vocab_size, False, "int8")
+        lin.weight.data, lin.weight_scale.data = cpu_quant.quantize_int8_per_channel(head)
+    return lin.requires_grad_(False)
 
 
 def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -146,7 +221,8 @@ def fuse_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor],
     def take(key: str) -> torch.Tensor:
         if key not in tensors:
             raise ValueError(f"checkpoint is missing tensor {key!r}")
-        return tensors.pop(key).to(dtype)
+        t = tensors.pop(key)  # GGUF blocks (uint8) stay as they are
+        return t if t.dtype == torch.uint8 else t.to(dtype)
 
     for name, parts in linear_parts(config).items():
         if config.quantization == "fp8" and name not in config.fp8_ignored:
@@ -201,6 +277,8 @@ def model_from_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor],
                 fused[wkey], fused[key] = quantize_fp8_per_channel(w)
     elif quantization == "fp8":
         fused = quantize_state_dict_fp8(fused)
+    elif quantization == "int8":
+        fused = cpu_quant.quantize_state_dict_int8(fused, FP8_PROJECTIONS)
     model = LlamaForCausalLM(config, attn_backend, device="meta", dtype=dtype,
                              quantization=quantization)
     model.load_state_dict(fused, strict=True, assign=True)
@@ -225,13 +303,20 @@ def build_dummy_model(config: ModelConfig, device: torch.device | str = "cpu",
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+    if quantization not in ("none", "fp8", "int8"):
+        raise ValueError(f"build_dummy_model: quantization {quantization!r} needs a checkpoint's "
+                         "blocks; expected none, fp8 or int8")
     if quantization != "none":
-        state = quantize_state_dict_fp8(model.state_dict())
+        state = model.state_dict()
+        state = (quantize_state_dict_fp8(state) if quantization == "fp8"
+                 else cpu_quant.quantize_state_dict_int8(state, FP8_PROJECTIONS))
         backend = model.attn_backend
         del model
         model = LlamaForCausalLM(config, backend, device="meta", dtype=dtype,
                                  quantization=quantization)
         model.load_state_dict(state, strict=True, assign=True)
+        if quantization == "int8":
+            model.lm_head_quant = _quantized_lm_head(model, {})
     return _finish(model)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from bucketserve.buckets.config import QUANTIZATION_MODES
 from bucketserve.server.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -27,9 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     s.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weights and KV cache dtype; auto = float32 on cpu, bfloat16 on cuda")
-    s.add_argument("--quantization", choices=("none", "fp8"), default=None,
-                   help="decoder projections in FP8 (W8A8; GPUs of compute capability >= 8.9); "
-                        "default: the buckets file's model.quantization (none)")
+    s.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,
+                   help="decoder projection weights: fp8 (W8A8; GPUs of compute capability "
+                        ">= 8.9), q4_1 (CPU: a GGUF's own Q4_1 blocks, float32 math), int8 "
+                        "(CPU: int8 per output channel, dynamic int8 activations); default: "
+                        "the buckets file's model.quantization (none)")
     s.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default=None,
                    help="KV pool element type; auto = --dtype; default: the buckets file's "
                         "kv_cache.dtype (auto)")

@@ -23,17 +23,28 @@ def _torch_dtype(name: str, device: str):
 
 
 def check_quantization(args: argparse.Namespace) -> None:
-    """FP8 (--quantization / --kv-cache-dtype, or the buckets file's keys) on the CPU is
-    refused here, before a process starts (a one-line ValueError); on a GPU the core process
-    checks the device's compute capability (kernels/quant.resolve_quant_plan)."""
-    if args.device == "cuda":
-        return
+    """Refuses here, before a process starts (a one-line ValueError): FP8 (--quantization /
+    --kv-cache-dtype, or the buckets file's keys) on the CPU, the CPU weight formats (q4_1,
+    int8) on CUDA or off float32, and q4_1 for a model that is not a GGUF of Q4_1 projections
+    (models/loader.quantization_refusal). On a GPU the core process checks the device's
+    compute capability for FP8 (kernels/quant.resolve_quant_plan)."""
     from bucketserve.buckets import load_buckets
+    from bucketserve.kernels.cpu_quant import CPU_MODES
     from bucketserve.kernels.quant import resolve_quant_plan
+    from bucketserve.models.loader import quantization_refusal
+    from bucketserve.models.registry import resolve
 
     b = load_buckets(args.buckets)
-    resolve_quant_plan(args.device, args.quantization or b.quantization,
-                       args.kv_cache_dtype or b.kv_cache_dtype)
+    quantization = args.quantization or b.quantization
+    if args.device == "cuda" and quantization not in CPU_MODES:
+        return
+    resolve_quant_plan(args.device, quantization, args.kv_cache_dtype or b.kv_cache_dtype)
+    if quantization not in CPU_MODES:
+        return
+    why = quantization_refusal(resolve(args.model).path, quantization, args.device,
+                               _torch_dtype(args.dtype, args.device))
+    if why is not None:
+        raise ValueError(why)
 
 
 def load_engine(args: argparse.Namespace, seams: Seams | None = None):
