@@ -478,7 +478,7 @@ VARIANT_LABELS = {
 
 
 def markdown_table(r: dict) -> str:
-    """The README table of one results JSON."""
+    """The docs table of one results JSON."""
     rows = ["| | bucketserve | vLLM CPU | ratio |", "|---|---|---|---|"]
     served_ = r.get("served", {})
     for wl in ("mixed", "short"):
@@ -490,6 +490,10 @@ def markdown_table(r: dict) -> str:
                         f"{r['runs']}: runs) | **{ours['median_output_tok_s']}** ({runs(ours)}) | "
                         f"{peer['median_output_tok_s']} ({runs(peer)}) | "
                         f"**{ours['median_output_tok_s'] / peer['median_output_tok_s']:.2f}x** |")
+            for key, what in (("itl_p50_ms", "ITL p50"), ("ttft_p50_ms", "TTFT p50")):
+                a, b = (statistics.median(x[key] for x in v["runs"]) for v in (ours, peer))
+                rows.append(f"| served `{wl}`, {what} ms (median of the runs' p50) | {a} | {b} | "
+                            f"{a / b:.2f}x |")
         for system, res in served_.items():
             var = res.get(wl)
             if not system.startswith("bucketserve-") or not var or not peer:
