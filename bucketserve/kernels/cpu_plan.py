@@ -145,28 +145,33 @@ def packed_linear(gemm: str, x: torch.Tensor, packed: torch.Tensor, weight: torc
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
 
 
-# What "auto" times on a model's largest projection: 32 GEMMs of 16 rows (decode-sized) and one
-# of 512 (prefill-sized), the same rows in both, twice per backend, alternating.
+# What "auto" times on a model's largest projection, per backend: 32 GEMMs of 16 rows
+# (decode-sized) and, apart, one of 512 (prefill-sized), the same rows in both, twice,
+# alternating. Forwards of at least PREFILL_ROWS rows may take another backend than smaller
+# ones (CpuPlan.prefill_gemm) where it measures at least PREFILL_GAIN faster at 512 rows.
 _GEMM_PROBE = ((16, 32), (512, 1))
+PREFILL_ROWS = 128
+PREFILL_GAIN = 1.1
 
 
 @torch.inference_mode()
-def measure_gemm(weight: torch.Tensor, rounds: int = 2) -> tuple[str, dict[str, float]]:
-    """The faster packed backend ("onednn" or "mkl") for a float32 [out, in] weight, with each
-    one's best time (ms) for the rows of _GEMM_PROBE. Both give the same results to rounding
-    (tests/test_cpu_plan.py), so the choice only moves speed."""
+def measure_gemm(weight: torch.Tensor, rounds: int = 2) -> dict[str, dict[int, float]]:
+    """Each packed backend's ("onednn", "mkl") best time (ms) for a float32 [out, in] weight
+    at each row count of _GEMM_PROBE: {backend: {16: ms for 32 GEMMs, 512: ms for one}}.
+    Both give the same results to rounding (tests/test_cpu_plan.py), so the choice only
+    moves speed."""
     xs = {rows: torch.randn(rows, weight.shape[1]) for rows, _ in _GEMM_PROBE}
     packed = {b: pack_weight(b, weight) for b in ("onednn", "mkl")}
-    best = {b: float("inf") for b in packed}
+    best = {b: dict.fromkeys(xs, float("inf")) for b in packed}
     for _ in range(rounds):
         for b, p in packed.items():
             packed_linear(b, xs[16], p, weight, None)  # warm-up
-            t0 = time.perf_counter()
             for rows, reps in _GEMM_PROBE:
+                t0 = time.perf_counter()
                 for _ in range(reps):
                     packed_linear(b, xs[rows], p, weight, None)
-            best[b] = min(best[b], (time.perf_counter() - t0) * 1e3)
-    return min(best, key=best.get), best
+                best[b][rows] = min(best[b][rows], (time.perf_counter() - t0) * 1e3)
+    return best
 
 
 def _resolve_gemm(gemm: str) -> str | None:
@@ -194,7 +199,9 @@ class CpuPlan:
     attention kernels (kernels/cpu_decode.py) built for `march` ("native": the host's own
     level); prefill_attention: prompt attention through the C kernel ("c") or SDPA ("sdpa");
     threads: the engine's compute threads (None: torch's default, one per core);
-    quant_kernels: the quantized weight kernels ("none": float32 weights)."""
+    quant_kernels: the quantized weight kernels ("none": float32 weights); prefill_gemm:
+    the packed sgemm of forwards of at least PREFILL_ROWS rows where it differs from gemm
+    (None: gemm for every forward; the projections then hold a second packed copy)."""
 
     isa: str
     host_isa: str
@@ -206,6 +213,7 @@ class CpuPlan:
     prefill_attention: str
     threads: int | None = None
     quant_kernels: str = "none"
+    prefill_gemm: str | None = None
 
     @property
     def forced(self) -> bool:
@@ -215,8 +223,11 @@ class CpuPlan:
         isa = (f"{self.isa} (forced; host has {self.host_isa})" if self.forced
                else f"{self.isa} (host)")
         c = f"built for -march={self.march}" if self.c_kernels else "off (torch ops)"
+        gemm = self.gemm or "F.linear"
+        if self.prefill_gemm:
+            gemm += f" below {PREFILL_ROWS} rows, {self.prefill_gemm} from {PREFILL_ROWS}"
         return (f"CPU kernels: isa {isa}, torch dispatch {self.torch_isa}, GEMM "
-                f"{self.gemm or 'F.linear'} ({self.gemm_how}), C kernels {c}, prompt attention "
+                f"{gemm} ({self.gemm_how}), C kernels {c}, prompt attention "
                 f"{self.prefill_attention}, quantized kernels {self.quant_kernels}, threads "
                 f"{self.threads or f'{torch.get_num_threads()} (torch default)'}")
 
@@ -260,20 +271,28 @@ def resolve_cpu_plan(isa: str = "auto", gemm: str = "auto", threads: int | str |
                    prefill_attention=prefill_attention, threads=threads)
 
 
-def with_measured_gemm(plan: CpuPlan, weight: torch.Tensor) -> CpuPlan:
+def with_measured_gemm(plan: CpuPlan, weight: torch.Tensor, split: bool = True) -> CpuPlan:
     """`plan` with gemm "auto" decided by measuring both backends on `weight` (a model's
-    largest float32 projection); any other plan as it is."""
+    largest float32 projection): the faster at 16 rows for every forward, and with `split`
+    the faster at 512 rows for forwards of PREFILL_ROWS rows or more, where it is at least
+    PREFILL_GAIN faster there (on the AMD EPYC with AVX2 forced, MKL's packed sgemm ran
+    175-193 GFLOP/s at 512 rows against oneDNN's 139-157, and oneDNN's was faster at 16 rows
+    on 2 of 3 shapes). Any other plan as it is."""
     if plan.gemm != "auto":
         return plan
-    best, times = measure_gemm(weight)
-    how = (f"measured on a {weight.shape[0]}x{weight.shape[1]} weight: "
-           + ", ".join(f"{b} {t:.1f} ms" for b, t in times.items()))
-    return dataclasses.replace(plan, gemm=best, gemm_how=how)
+    times = measure_gemm(weight)
+    small = min(times, key=lambda b: times[b][16])
+    large = min(times, key=lambda b: times[b][512])
+    split = split and large != small and times[small][512] >= PREFILL_GAIN * times[large][512]
+    how = (f"measured on a {weight.shape[0]}x{weight.shape[1]} weight, 32 x 16 / 512 rows: "
+           + ", ".join(f"{b} {t[16]:.1f} / {t[512]:.1f} ms" for b, t in times.items()))
+    return dataclasses.replace(plan, gemm=small, gemm_how=how,
+                               prefill_gemm=large if split else None)
 
 
 @functools.cache
 def default_cpu_plan() -> CpuPlan:
     """The plan of a model packed without one (the BERT encoders): the host's level and
-    torch's dispatch as they are, the GEMM measured once per process on a 1536x384 weight
+    torch's dispatch as they are, one GEMM measured once per process on a 1536x384 weight
     (MiniLM's feed-forward)."""
-    return with_measured_gemm(resolve_cpu_plan(), torch.randn(1536, 384))
+    return with_measured_gemm(resolve_cpu_plan(), torch.randn(1536, 384), split=False)
