@@ -150,14 +150,13 @@ def test_packed_gemms_match_f_linear(gemm, rows):
             got = cpu_plan.packed_linear(gemm, x, p, w, bias)
             torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias),
                                        rtol=1e-5, atol=1e-4)
-            assert llama._linear(x, (gemm, p, w, bias, None)).equal(got)
+            assert llama._linear(x, (gemm, p, w, bias)).equal(got)
 
 
 def test_auto_gemm_is_measured_on_the_modules_largest_projection():
     """gemm "auto": packing times both backends on the module's largest projection, at
-    decode and at prefill row counts; the plan returned names the faster at 16 rows, and
-    another backend for forwards of PREFILL_ROWS rows or more only where that one measured
-    PREFILL_GAIN faster at 512; the packed module then matches F.linear on both sides."""
+    decode and at prefill row counts, and keeps the one with the smaller total for every
+    forward; the packed module then matches F.linear."""
     if not (cpu_plan.onednn_packing_available() and cpu_plan.mkl_packing_available()):
         pytest.skip("this torch build lacks one of the packed sgemms")
     times = cpu_plan.measure_gemm(torch.randn(256, 64), rounds=1)
@@ -170,46 +169,9 @@ def test_auto_gemm_is_measured_on_the_modules_largest_projection():
     plan = llama.pack_linear_weights(torch.nn.Sequential(small, big), big.weight,
                                      resolve_cpu_plan())
     assert plan.gemm in ("onednn", "mkl") and "measured on a 256x64 weight" in plan.gemm_how
-    assert plan.prefill_gemm in (None, {"onednn": "mkl", "mkl": "onednn"}[plan.gemm])
     assert small.gemm == big.gemm == plan.gemm and big.packed is not None
-    assert (big.prefill is None) == (plan.prefill_gemm is None)
-    for rows in (9, cpu_plan.PREFILL_ROWS):
+    for rows in (9, 300):
         x = torch.randn(rows, 64)
         with torch.inference_mode():
             torch.testing.assert_close(big(x), torch.nn.functional.linear(x, big.weight, big.bias),
                                        rtol=1e-4, atol=1e-4)
-
-
-def test_prefill_sized_forwards_take_the_prefill_gemm():
-    """A plan with prefill_gemm: forwards of PREFILL_ROWS rows or more run on it, smaller
-    ones on gemm; both give F.linear's result; the log line names both."""
-    if not (cpu_plan.onednn_packing_available() and cpu_plan.mkl_packing_available()):
-        pytest.skip("this torch build lacks one of the packed sgemms")
-    import dataclasses
-
-    plan = dataclasses.replace(resolve_cpu_plan(gemm="onednn"), prefill_gemm="mkl")
-    assert f"GEMM onednn below {cpu_plan.PREFILL_ROWS} rows, mkl from" in plan.describe()
-    lin = llama.Linear(96, 200, bias=True)
-    with torch.no_grad():
-        lin.weight.normal_()
-        lin.bias.normal_()
-    assert llama.pack_linear_weights(torch.nn.Sequential(lin), lin.weight, plan) == plan
-    assert lin.prefill[0] == "mkl" and lin.gemm == "onednn"
-    used = []
-    real = llama.packed_linear
-
-    def spy(gemm, *a):
-        used.append(gemm)
-        return real(gemm, *a)
-
-    llama.packed_linear = spy
-    try:
-        for rows in (1, cpu_plan.PREFILL_ROWS - 1, cpu_plan.PREFILL_ROWS, 300):
-            x = torch.randn(rows, 96)
-            with torch.inference_mode():
-                torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight,
-                                                                              lin.bias),
-                                           rtol=1e-5, atol=1e-4)
-    finally:
-        llama.packed_linear = real
-    assert used == ["onednn", "onednn", "mkl", "mkl"]

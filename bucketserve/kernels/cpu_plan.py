@@ -147,11 +147,8 @@ def packed_linear(gemm: str, x: torch.Tensor, packed: torch.Tensor, weight: torc
 
 # What "auto" times on a model's largest projection, per backend: 32 GEMMs of 16 rows
 # (decode-sized) and, apart, one of 512 (prefill-sized), the same rows in both, twice,
-# alternating. Forwards of at least PREFILL_ROWS rows may take another backend than smaller
-# ones (CpuPlan.prefill_gemm) where it measures at least PREFILL_GAIN faster at 512 rows.
+# alternating; the backend with the smaller sum is kept for every forward.
 _GEMM_PROBE = ((16, 32), (512, 1))
-PREFILL_ROWS = 128
-PREFILL_GAIN = 1.1
 
 
 @torch.inference_mode()
@@ -199,9 +196,7 @@ class CpuPlan:
     attention kernels (kernels/cpu_decode.py) built for `march` ("native": the host's own
     level); prefill_attention: prompt attention through the C kernel ("c") or SDPA ("sdpa");
     threads: the engine's compute threads (None: torch's default, one per core);
-    quant_kernels: the quantized weight kernels ("none": float32 weights); prefill_gemm:
-    the packed sgemm of forwards of at least PREFILL_ROWS rows where it differs from gemm
-    (None: gemm for every forward; the projections then hold a second packed copy)."""
+    quant_kernels: the quantized weight kernels ("none": float32 weights)."""
 
     isa: str
     host_isa: str
@@ -213,7 +208,6 @@ class CpuPlan:
     prefill_attention: str
     threads: int | None = None
     quant_kernels: str = "none"
-    prefill_gemm: str | None = None
 
     @property
     def forced(self) -> bool:
@@ -224,8 +218,6 @@ class CpuPlan:
                else f"{self.isa} (host)")
         c = f"built for -march={self.march}" if self.c_kernels else "off (torch ops)"
         gemm = self.gemm or "F.linear"
-        if self.prefill_gemm:
-            gemm += f" below {PREFILL_ROWS} rows, {self.prefill_gemm} from {PREFILL_ROWS}"
         return (f"CPU kernels: isa {isa}, torch dispatch {self.torch_isa}, GEMM "
                 f"{gemm} ({self.gemm_how}), C kernels {c}, prompt attention "
                 f"{self.prefill_attention}, quantized kernels {self.quant_kernels}, threads "
@@ -271,23 +263,20 @@ def resolve_cpu_plan(isa: str = "auto", gemm: str = "auto", threads: int | str |
                    prefill_attention=prefill_attention, threads=threads)
 
 
-def with_measured_gemm(plan: CpuPlan, weight: torch.Tensor, split: bool = True) -> CpuPlan:
+def with_measured_gemm(plan: CpuPlan, weight: torch.Tensor) -> CpuPlan:
     """`plan` with gemm "auto" decided by measuring both backends on `weight` (a model's
-    largest float32 projection): the faster at 16 rows for every forward, and with `split`
-    the faster at 512 rows for forwards of PREFILL_ROWS rows or more, where it is at least
-    PREFILL_GAIN faster there (on the AMD EPYC with AVX2 forced, MKL's packed sgemm ran
-    175-193 GFLOP/s at 512 rows against oneDNN's 139-157, and oneDNN's was faster at 16 rows
-    on 2 of 3 shapes). Any other plan as it is."""
+    largest float32 projection): the one with the smaller total over _GEMM_PROBE, for every
+    forward. (Per row count they differ: with AVX2 forced on the AMD EPYC, MKL's sgemm ran
+    1.25-1.36x oneDNN's at 512 rows and oneDNN's was faster at 16; but a plan that gave
+    prompt-sized forwards MKL's and the rest oneDNN's served `mixed` at 40.7 output tok/s
+    against 94.4 with oneDNN's alone, docs/benchmarks.md.) Any other plan as it is."""
     if plan.gemm != "auto":
         return plan
     times = measure_gemm(weight)
-    small = min(times, key=lambda b: times[b][16])
-    large = min(times, key=lambda b: times[b][512])
-    split = split and large != small and times[small][512] >= PREFILL_GAIN * times[large][512]
+    best = min(times, key=lambda b: sum(times[b].values()))
     how = (f"measured on a {weight.shape[0]}x{weight.shape[1]} weight, 32 x 16 / 512 rows: "
            + ", ".join(f"{b} {t[16]:.1f} / {t[512]:.1f} ms" for b, t in times.items()))
-    return dataclasses.replace(plan, gemm=small, gemm_how=how,
-                               prefill_gemm=large if split else None)
+    return dataclasses.replace(plan, gemm=best, gemm_how=how)
 
 
 @functools.cache
@@ -295,4 +284,4 @@ def default_cpu_plan() -> CpuPlan:
     """The plan of a model packed without one (the BERT encoders): the host's level and
     torch's dispatch as they are, one GEMM measured once per process on a 1536x384 weight
     (MiniLM's feed-forward)."""
-    return with_measured_gemm(resolve_cpu_plan(), torch.randn(1536, 384), split=False)
+    return with_measured_gemm(resolve_cpu_plan(), torch.randn(1536, 384))

@@ -27,7 +27,6 @@ from bucketserve.buckets.config import GEMV_MODES
 from bucketserve.kernels import cpu_decode
 from bucketserve.kernels.attention import AttentionBackend, get_forward_context
 from bucketserve.kernels.cpu_plan import (
-    PREFILL_ROWS,
     CpuPlan,
     default_cpu_plan,
     pack_weight,
@@ -99,8 +98,6 @@ def pack_linear_weights(module: nn.Module, weight: torch.Tensor,
     plan = with_measured_gemm(plan, max((m.weight for m in linears), key=lambda w: w.numel()))
     for sub in linears:
         sub.gemm, sub.packed = plan.gemm, pack_weight(plan.gemm, sub.weight)
-        sub.prefill = (None if plan.prefill_gemm is None else
-                       (plan.prefill_gemm, pack_weight(plan.prefill_gemm, sub.weight)))
     return plan
 
 
@@ -112,13 +109,11 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, in
 
 
 def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
-    """(gemm, packed, weight, bias, prefill) of a Linear applied to x [T, in] (no module call
+    """(gemm, packed, weight, bias) of a Linear applied to x [T, in] (no module call
     overhead)."""
-    gemm, packed, weight, bias, prefill = lin
+    gemm, packed, weight, bias = lin
     if packed is None:
         return F.linear(x, weight, bias)
-    if prefill is not None and x.shape[0] >= PREFILL_ROWS:
-        gemm, packed = prefill
     return packed_linear(gemm, x, packed, weight, bias)
 
 
@@ -130,8 +125,6 @@ class Linear(nn.Module):
         # set by pack_linear_weights: the packed weight and its GEMM ("onednn" | "mkl")
         self.packed: torch.Tensor | None = None
         self.gemm: str | None = None
-        # (gemm, packed weight) for forwards of >= PREFILL_ROWS rows (CpuPlan.prefill_gemm)
-        self.prefill: tuple[str, torch.Tensor] | None = None
         # CUDA: the Triton GEMV config for one-row inputs (kernels/triton_gemv), set by
         # LlamaForCausalLM.use_gemv where it measured faster than cuBLAS; None: F.linear
         self.gemv: tuple[int, int, int, int] | None = None
@@ -140,10 +133,7 @@ class Linear(nn.Module):
         if self.gemv is not None and x.shape[0] == 1:  # set only on bias-free projections
             return _gemv(x, self.weight, self.gemv)
         if self.packed is not None and not torch.is_grad_enabled():
-            gemm, packed = self.gemm, self.packed
-            if self.prefill is not None and x.shape[0] >= PREFILL_ROWS:
-                gemm, packed = self.prefill
-            return packed_linear(gemm, x, packed, self.weight, self.bias)
+            return packed_linear(self.gemm, x, self.packed, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -443,7 +433,7 @@ class LlamaForCausalLM(nn.Module):
         """Per layer, what _forward_cpu reads (looked up once, not per step)."""
         if self._cpu_plan is None:
             def lin(m: Linear) -> tuple:
-                return (m.gemm, m.packed, m.weight, m.bias, m.prefill)
+                return (m.gemm, m.packed, m.weight, m.bias)
 
             plan = []
             for layer in self.model.layers:
