@@ -15,7 +15,11 @@ split by step kind (steps with prompt tokens vs pure decode steps):
   prepare             the runner's input building
   engine_other        scheduler, output processing / detokenization, stats (step - runner.launch)
 
-    .venv/bin/python bench/cpu_profile.py --workload ../shared/workloads/mixed.jsonl [--threads 2]
+    .venv/bin/python bench/cpu_profile.py --workload ../shared/workloads/mixed.jsonl [--threads 2] \
+        [--cpu-isa avx2] [--cpu-gemm onednn] [--no-c-kernels]
+
+--cpu-isa forces a lower instruction set as `bucketserve serve --cpu-isa` does (torch, oneDNN,
+MKL and the C kernels held to it; kernels/cpu_plan.py).
 
 Also prints the machine's sgemm rate at the step shapes and its memory bandwidth, so the
 component times can be read against what the machine can do.
@@ -39,7 +43,7 @@ import torch
 from bucketserve.buckets import load_buckets
 from bucketserve.engine.llm_engine import LLMEngine
 from bucketserve.engine.sequence import SamplingParams
-from bucketserve.kernels import attention, cpu_decode
+from bucketserve.kernels import attention, cpu_decode, cpu_plan
 from bucketserve.models import llama, load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,9 +89,9 @@ def cpu_model() -> str:
 
 
 def machine_rates() -> dict:
-    """sgemm GFLOP/s of each packed GEMM backend (oneDNN, MKL; the model uses
-    llama.cpu_gemm_backend()) at the model's shapes, with the process's thread count, and the
-    copy bandwidth of a 512 MiB buffer (about the weights' size)."""
+    """sgemm GFLOP/s of each packed GEMM backend (oneDNN, MKL; the model uses the CPU plan's)
+    at the model's shapes, with the process's thread count, and the copy bandwidth of a
+    512 MiB buffer (about the weights' size)."""
     def best(f, n=5):
         f()
         ts = []
@@ -98,20 +102,15 @@ def machine_rates() -> dict:
         return min(ts)
 
     out = {}
-    used = llama._GEMM
-    backends = [b for b, ok in (("onednn", llama.onednn_packing_available()),
-                                ("mkl", llama.mkl_packing_available())) if ok]
-    try:
-        for backend in backends:
-            llama._GEMM = backend
-            for rows in (16, 64, 512, 2048):
-                for o, i in ((960, 576), (3072, 576), (576, 1536)):
-                    x, w = torch.randn(rows, i), torch.randn(o, i)
-                    p = llama.pack_weight(w)
-                    t = best(lambda: llama.packed_linear(x, p, w, None))  # noqa: B023
-                    out[f"{backend}_sgemm_{rows}x{i}x{o}_gflops"] = round(2 * rows * o * i / t / 1e9, 1)
-    finally:
-        llama._GEMM = used
+    backends = [b for b, ok in (("onednn", cpu_plan.onednn_packing_available()),
+                                ("mkl", cpu_plan.mkl_packing_available())) if ok]
+    for backend in backends:
+        for rows in (16, 64, 512, 2048):
+            for o, i in ((960, 576), (3072, 576), (576, 1536)):
+                x, w = torch.randn(rows, i), torch.randn(o, i)
+                p = cpu_plan.pack_weight(backend, w)
+                t = best(lambda: cpu_plan.packed_linear(backend, x, p, w, None))  # noqa: B023
+                out[f"{backend}_sgemm_{rows}x{i}x{o}_gflops"] = round(2 * rows * o * i / t / 1e9, 1)
     a = torch.ones(2**27)
     b = torch.empty_like(a)
     t = best(lambda: b.copy_(a))
@@ -127,17 +126,24 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-rates", action="store_true")
+    ap.add_argument("--cpu-isa", default="auto", help="[cpu] isa (auto, avx512, avx2, baseline)")
+    ap.add_argument("--cpu-gemm", default="auto", help="[cpu] gemm (auto, onednn, mkl)")
+    ap.add_argument("--no-c-kernels", action="store_true", help="[cpu] c_kernels = false")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # before torch, oneDNN or MKL first dispatch (as `bucketserve serve --cpu-isa` does)
+    os.environ.update(cpu_plan.isa_environment(args.cpu_isa))
+    plan = cpu_plan.resolve_cpu_plan(args.cpu_isa, args.cpu_gemm, args.threads,
+                                     not args.no_c_kernels)
     load0 = os.getloadavg()[0]
     loaded = load_model("smollm2-135m-instruct", dtype=torch.float32)
     rows = [json.loads(x) for x in args.workload.read_text().splitlines() if x.strip()]
     rows = rows[: args.limit] if args.limit else rows
     reqs = [(loaded.tokenizer.encode(r["prompt"], add_special_tokens=False), int(r["max_tokens"]))
             for r in rows]
-    engine = LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len))
+    engine = LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), cpu=plan)
+    plan = engine.runner.cpu_plan
+    print(plan.describe(), flush=True)
     clk = Clock()
     attention._prefill_attention = clk.wrap("prefill_attention", attention._prefill_attention)
     cpu_decode.paged_prefill = clk.wrap("prefill_attention", cpu_decode.paged_prefill)
@@ -200,8 +206,9 @@ def main() -> None:
         "workload": args.workload.name, "requests": len(reqs), "prompt_tokens": n_prompt,
         "output_tokens": n_out, "wall_s": round(wall, 2), "process_cpu_s": round(cpu, 2),
         "output_tok_s": round(n_out / wall, 1), "torch_threads": torch.get_num_threads(),
-        "steps": engine.stats.num_steps, "gemm_backend": llama._GEMM, "cpu": cpu_model(), "cpu_flags": cpu_features(),
-        "decode_kernel": cpu_decode.build_info() if hasattr(cpu_decode, "build_info") else None,
+        "steps": engine.stats.num_steps, "gemm_backend": plan.gemm, "cpu": cpu_model(),
+        "cpu_flags": cpu_features(), "cpu_plan": plan.describe(),
+        "decode_kernel": cpu_decode.build_info(),
         "engine_other_wall_s": round(step_wall - run_wall, 3),
         "outside_step_wall_s": round(wall - step_wall, 3),
         "load_avg_1m_start": round(load0, 2), "components": table,

@@ -21,8 +21,7 @@ import warnings
 
 import torch
 
-from bucketserve.kernels import cpu_decode, cpu_quant
-from bucketserve.models import llama
+from bucketserve.kernels import cpu_plan, cpu_quant
 from bucketserve.models.gguf_loader import read_gguf
 from bucketserve.models.loader import linear_parts
 from bucketserve.models.registry import resolve
@@ -52,14 +51,15 @@ def pack_fbgemm(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.ops.quantized.linear_prepack(qw, None)
 
 
-def candidates(blocks: list[torch.Tensor], weights: list[torch.Tensor], k: int) -> dict:
-    """name -> (prepared per layer, fn(prepared, x))."""
+def candidates(blocks: list[torch.Tensor], weights: list[torch.Tensor], k: int,
+               gemm: str | None) -> dict:
+    """name -> (prepared per layer, fn(prepared, x)); gemm: the CPU plan's packed float32 GEMM."""
     n = weights[0].shape[0]
     out: dict = {}
-    if llama.packed_gemm_backend() not in (None, "auto"):
-        out["fp32 packed (" + llama.packed_gemm_backend() + ")"] = (
-            [(llama.pack_weight(w), w) for w in weights],
-            lambda p, x: llama.packed_linear(x, p[0], p[1], None))
+    if gemm is not None:
+        out["fp32 packed (" + gemm + ")"] = (
+            [(cpu_plan.pack_weight(gemm, w), w) for w in weights],
+            lambda p, x: cpu_plan.packed_linear(gemm, x, p[0], p[1], None))
     out["q4_1 blocks (quant_gemm.c)"] = (
         blocks, lambda b, x: cpu_quant.q_linear(x, cpu_quant.Q4_1, b, k))
     # PyTorch's weight-only 4-bit: the same values as (q - 8) * scale + zero, zero = m + 8 d
@@ -101,7 +101,7 @@ def main() -> None:
     for fused, parts in linear_parts(contents.config).items():
         b = torch.cat([contents.blocks[p + ".weight"][1] for p in parts])
         per_name[fused.rsplit(".", 1)[1]].append(b)
-    flags = cpu_decode.cpu_flags()
+    flags = cpu_plan.cpu_flags()
     record = {"machine": {"cpu": platform.processor() or platform.machine(),
                           "threads": torch.get_num_threads(),
                           "isa": sorted(f for f in flags if f.startswith(("avx", "fma", "amx"))),
@@ -115,9 +115,8 @@ def main() -> None:
         blocks = per_name[nm]
         k = blocks[0].shape[1] // 20 * 32
         weights = [cpu_quant.dequantize(cpu_quant.Q4_1, b, k) for b in blocks]
-        if llama.packed_gemm_backend() == "auto":
-            llama._GEMM = llama.measure_cpu_gemm(weights[0])[0]
-        prepared[nm] = (k, candidates(blocks, weights, k))
+        gemm = cpu_plan.with_measured_gemm(cpu_plan.resolve_cpu_plan(), weights[0]).gemm
+        prepared[nm] = (k, candidates(blocks, weights, k, gemm))
     for rows in args.rows:
         table: dict[str, dict[str, float]] = {}
         for nm in names:

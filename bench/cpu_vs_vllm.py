@@ -8,15 +8,23 @@ Parts (all by default, in this order, one system at a time on the same machine):
            the systems' runs interleaved (all servers up, one driven at a time); medians of
            output tokens/s. bucketserve variants (--systems bucketserve-inproc,...):
            `-inproc` the engine core in a thread of the server's process (--engine-in-process),
-           `-t1` / `-t2` BUCKETSERVE_CPU_THREADS=1 / 2 (vLLM's CPU build runs its model on one
+           `-t1` / `-t2` --cpu-threads 1 / 2 (vLLM's CPU build runs its model on one
            core and keeps the other for its front end), `-pin` BUCKETSERVE_CPU_AFFINITY=auto,
-           `-mkl` BUCKETSERVE_CPU_GEMM=mkl, `-spin` / `-nospin` GOMP_SPINCOUNT=10000 / 0
+           `-mkl` --cpu-gemm mkl, `-spin` / `-nospin` GOMP_SPINCOUNT=10000 / 0
   offline  the engine alone (LLMEngine.generate, as bench/offline_throughput.py) vs vLLM's
            offline LLM.generate on the same token ids (prefix caching off), --offline-runs
            timed runs each after a warm-up
   hf       transformers static `generate` (batches of 16, left padding, as
            bench/offline_throughput.py) on mixed, offline in its own process (an upper bound
            for the same system behind HTTP)
+
+--cpu-isa avx2 forces both systems onto AVX2 on an AVX-512 host: both servers get
+ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS (torch's, oneDNN's and
+MKL's limits; kernels/cpu_plan.isa_environment), bucketserve gets --cpu-isa avx2 (its C
+kernels built for -march=x86-64-v3), and vLLM's processes see torch.cpu's AVX-512 / AMX
+probes answer False (a sitecustomize on their PYTHONPATH), so that vLLM loads its
+_C_AVX2 kernels, as it does on an AVX2-only machine. The JSON records the variables and
+what each system's torch then reports.
 
 Both systems load the same Hugging Face directory (the SmolLM2-135M-Instruct GGUF dequantized
 to float32 by ../shared/bench/make_smollm2_hf.py), in float32. Records the CPU model and
@@ -66,12 +74,57 @@ def cpu_info() -> dict:
             "machine": platform.machine()}
 
 
-def peer_env() -> dict:
+# vLLM picks its C++ kernels (_C_AVX512 / _C_AVX2) and attention ISA from torch.cpu's
+# hardware probes, which ignore ATEN_CPU_CAPABILITY: held to AVX2, its processes see them False
+FORCE_AVX2_SITE = """import os
+if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
+    import torch.cpu
+    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported",
+                 "_is_avx512_vnni_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        setattr(torch.cpu, name, lambda: False)
+"""
+
+
+def isa_env(args) -> dict:
+    """The environment that holds both systems to --cpu-isa (empty: the host's own ISA)."""
+    from bucketserve.kernels.cpu_plan import isa_environment
+
+    return isa_environment(args.cpu_isa)
+
+
+def peer_env(args=None, tmp: Path | None = None) -> dict:
     """vLLM runs in the caller's environment (bucketserve sets OMP_WAIT_POLICY=PASSIVE for
-    itself on import; vLLM keeps its own thread settings)."""
+    itself on import; vLLM keeps its own thread settings), plus --cpu-isa's."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, as bucketserve's cpu_memory_gib
+    forced = isa_env(args) if args is not None else {}
+    if forced and tmp is not None:
+        site = tmp / "force_isa_site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(FORCE_AVX2_SITE)
+        env["PYTHONPATH"] = str(site) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(forced)
     return env
+
+
+ISA_PROBE = ("import json, torch; print(json.dumps({'torch_capability': "
+             "torch.backends.cpu.get_cpu_capability(), 'torch_cpu_avx512': "
+             "torch.cpu._is_avx512_supported()}))")
+
+
+def isa_check(args, tmp: Path) -> dict:
+    """What torch reports in each system's environment (the proof that --cpu-isa took)."""
+    from bucketserve.kernels.cpu_plan import resolve_cpu_plan
+
+    out = {}
+    for name, python, env in (("bucketserve", sys.executable, {**os.environ, **isa_env(args)}),
+                              ("vllm", args.vllm_python, peer_env(args, tmp))):
+        p = subprocess.run([python, "-c", ISA_PROBE], env=env, capture_output=True, text=True,
+                           check=True)
+        out[name] = json.loads(p.stdout.strip().splitlines()[-1])
+    os.environ.update(isa_env(args))  # this process resolves the plan bucketserve will run
+    out["bucketserve"]["plan"] = resolve_cpu_plan(args.cpu_isa).describe()
+    return out
 
 
 def load_avg() -> float:
@@ -129,12 +182,14 @@ def no_prefix_cache_toml(tmp: Path) -> Path:
 
 def start_server(system: str, args, tmp: Path) -> tuple[subprocess.Popen, int, dict]:
     port = free_port()
-    env = dict(os.environ) if system.startswith("bucketserve") else peer_env()
+    env = ({**os.environ, **isa_env(args)} if system.startswith("bucketserve")
+           else peer_env(args, tmp))
     if system.startswith("bucketserve"):
         # the rounds repeat the same prompts and vLLM runs with its prefix cache off: ours off too
         cmd = [sys.executable, "-m", "bucketserve.server.cli", "serve", "--port", str(port),
                "--model", args.hf_dir, "--embedding-model", "none", "--dtype", "float32",
-               "--log-level", "warning", "--buckets", str(no_prefix_cache_toml(tmp))]
+               "--log-level", "warning", "--buckets", str(no_prefix_cache_toml(tmp)),
+               "--cpu-isa", args.cpu_isa]
         for variant in system.split("-")[1:]:
             if variant not in VARIANTS:
                 raise SystemExit(f"unknown system {system!r}: variants are {sorted(VARIANTS)}")
@@ -168,10 +223,10 @@ MODEL = "smollm2-hf"  # the served name both servers answer to
 # bucketserve systems: "bucketserve" (defaults) plus "-VARIANT"s, e.g. "bucketserve-inproc-t1"
 VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "inproc": (["--engine-in-process"], {}),  # the engine core in a thread of the server
-    "t1": ([], {"BUCKETSERVE_CPU_THREADS": "1"}),  # one compute thread (vLLM CPU's layout)
-    "t2": ([], {"BUCKETSERVE_CPU_THREADS": "2"}),  # two compute threads
+    "t1": (["--cpu-threads", "1"], {}),  # one compute thread (vLLM CPU's layout)
+    "t2": (["--cpu-threads", "2"], {}),  # two compute threads
     "pin": ([], {"BUCKETSERVE_CPU_AFFINITY": "auto"}),  # engine and front end on their own cores
-    "mkl": ([], {"BUCKETSERVE_CPU_GEMM": "mkl"}),  # MKL's packed sgemm (before oneDNN)
+    "mkl": (["--cpu-gemm", "mkl"], {}),  # MKL's packed sgemm (before oneDNN)
     # OpenMP threads spin ~0.1 ms (10,000 spins) before they sleep, instead of sleeping at once
     "spin": ([], {"GOMP_SPINCOUNT": "10000"}),
     "nospin": ([], {"GOMP_SPINCOUNT": "0"}),  # sleep at once (OMP_WAIT_POLICY=PASSIVE alone)
@@ -291,7 +346,7 @@ def offline(system: str, args, reqs_path: Path, tmp: Path) -> dict:
     script = tmp / f"offline_{system}.py"
     script.write_text(OFFLINE_OURS if system == "bucketserve" else OFFLINE_VLLM)
     python = sys.executable if system == "bucketserve" else args.vllm_python
-    env = dict(os.environ) if system == "bucketserve" else peer_env()
+    env = {**os.environ, **isa_env(args)} if system == "bucketserve" else peer_env(args, tmp)
     if system == "bucketserve":
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     result = tmp / f"offline_{system}.json"
@@ -318,6 +373,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--offline-runs", type=int, default=1)
     ap.add_argument("--limit", type=int, default=None, help="only the first N requests (smoke runs)")
+    ap.add_argument("--cpu-isa", default="auto", choices=("auto", "avx512", "avx2", "baseline"),
+                    help="hold both systems to this instruction set (see above)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_vs_vllm.json")
     ap.add_argument("--hf-worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -343,7 +400,7 @@ def main() -> None:
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "omp_wait_policy_caller": os.environ.get("OMP_WAIT_POLICY"),
         "weights": args.hf_dir, "concurrency": args.concurrency, "runs": args.runs,
-        "command": " ".join(sys.argv),
+        "command": " ".join(sys.argv), "cpu_isa": args.cpu_isa,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -354,6 +411,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="cpu_vs_vllm_"))
     print(f"logs: {tmp}", flush=True)
     result["logs"] = str(tmp)
+    result["isa_env"] = isa_env(args)
+    result["isa_check"] = isa_check(args, tmp)
+    print("ISA:", json.dumps(result["isa_check"]), flush=True)
     if "served" in parts:
         result["served_load_avg_1m_start"] = load_avg()
         result["served"] = served(systems, args, workloads, tmp)
@@ -418,7 +478,7 @@ VARIANT_LABELS = {
 
 
 def markdown_table(r: dict) -> str:
-    """The README table of one results JSON."""
+    """The docs table of one results JSON."""
     rows = ["| | bucketserve | vLLM CPU | ratio |", "|---|---|---|---|"]
     served_ = r.get("served", {})
     for wl in ("mixed", "short"):
@@ -430,6 +490,10 @@ def markdown_table(r: dict) -> str:
                         f"{r['runs']}: runs) | **{ours['median_output_tok_s']}** ({runs(ours)}) | "
                         f"{peer['median_output_tok_s']} ({runs(peer)}) | "
                         f"**{ours['median_output_tok_s'] / peer['median_output_tok_s']:.2f}x** |")
+            for key, what in (("itl_p50_ms", "ITL p50"), ("ttft_p50_ms", "TTFT p50")):
+                a, b = (statistics.median(x[key] for x in v["runs"]) for v in (ours, peer))
+                rows.append(f"| served `{wl}`, {what} ms (median of the runs' p50) | {a} | {b} | "
+                            f"{a / b:.2f}x |")
         for system, res in served_.items():
             var = res.get(wl)
             if not system.startswith("bucketserve-") or not var or not peer:

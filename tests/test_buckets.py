@@ -43,6 +43,8 @@ DOCUMENTED_DEFAULTS = {
                   "max_queue_delay_ms": 5.0, "latency_slo_ms": 0.0,
                   "max_inputs_per_request": 2048, "max_merged_padding": "auto",
                   "fused_kernels": "auto"},
+    "cpu": {"isa": "auto", "gemm": "auto", "threads": "auto", "c_kernels": True,
+            "prefill_attention": "auto"},
 }
 
 
@@ -262,7 +264,8 @@ INVALID = [
     # unknown tables / keys, with suggestions
     ("[prefil]\nboundaries = [16]\n", "prefil", ["unknown table", "[prefill]"]),
     ("block_size = 16\n", "block_size", ["unknown table", "[kv_cache]"]),
-    ("[gpu]\nx = 1\n", "gpu", ["unknown table", "valid tables", "[embedding]"]),
+    ("[network]\nx = 1\n", "network", ["unknown table", "valid tables", "[embedding]"]),
+    ("[gpu]\nx = 1\n", "gpu", ["unknown table", "did you mean [cpu]?"]),
     ("prefill = 3\n", "prefill", ["integer", "expected a table"]),
     ("[scheduler]\nmax_runing = 4\n", "scheduler.max_runing",
      ["unknown key", "scheduler.max_running"]),

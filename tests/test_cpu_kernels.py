@@ -15,6 +15,7 @@ import torch
 
 from bucketserve.kernels import cpu_decode
 from bucketserve.kernels.attention import AttentionMetadata, forward_context
+from bucketserve.kernels.cpu_plan import isa_environment, resolve_cpu_plan
 from bucketserve.models.config import ModelConfig
 from bucketserve.models.loader import build_dummy_model
 
@@ -136,7 +137,7 @@ def test_cpu_forward_matches_torch_path(hq, hkv, d):
     cfg = ModelConfig(vocab_size=300, hidden_size=hq * d, intermediate_size=3 * d, num_layers=3,
                       num_heads=hq, num_kv_heads=hkv, head_dim=d)
     model = build_dummy_model(cfg, seed=1)
-    model.pack_cpu_weights()
+    model.use_cpu_plan(resolve_cpu_plan())
     model.cpu_kernels = True
     fast, fast_pool = _mixed_step(model, cfg)
     model.cpu_kernels = False
@@ -160,15 +161,45 @@ def test_cache_key_includes_cpu_features(tmp_path, monkeypatch):
 
 @needs_kernels
 @pytest.mark.skipif(cpu_decode.host_isa() < 2, reason="the host has no AVX2")
-def test_avx2_build_matches_reference(tmp_path):
-    """The build an AVX2-only machine gets, run here: same results as the torch reference
-    (decode and prefill kernels), and "auto" leaves prompt attention to SDPA there."""
+def test_forced_avx2_matches_reference(tmp_path):
+    """The plan with AVX2 forced (what an AVX2-only machine runs), in a process whose
+    environment holds torch, oneDNN and MKL to AVX2 as `bucketserve serve --cpu-isa avx2`
+    does: torch dispatches AVX2, the C kernels are the AVX2 build, and they, both packed
+    GEMMs and the whole model forward give the torch reference's results; prompt attention
+    is SDPA there."""
     script = textwrap.dedent("""
         import torch
         from bucketserve.kernels import cpu_decode
         from bucketserve.kernels.attention import AttentionMetadata, reference_attention
-        info = cpu_decode.build_info()
+        from bucketserve.kernels.cpu_plan import (mkl_packing_available, onednn_packing_available,
+                                                  resolve_cpu_plan)
+        from bucketserve.models.config import ModelConfig
+        from bucketserve.models.loader import build_dummy_model
+        from tests.test_cpu_kernels import _mixed_step
+        plan = resolve_cpu_plan("avx2")
+        assert torch.backends.cpu.get_cpu_capability() == "AVX2" == plan.torch_isa
+        assert plan.isa == "avx2" and plan.prefill_attention == "sdpa", plan
+        info = cpu_decode.select(plan.march)
         assert info["enabled"] and info["isa"] == "avx2+fma", info
+        cfg = ModelConfig(vocab_size=300, hidden_size=9 * 64, intermediate_size=3 * 64,
+                          num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64)
+        for gemm, ok in (("onednn", onednn_packing_available()), ("mkl", mkl_packing_available())):
+            if not ok:
+                continue
+            model = build_dummy_model(cfg, seed=1)
+            applied = model.use_cpu_plan(resolve_cpu_plan("avx2", gemm))
+            assert applied.gemm == gemm and applied.c_kernels, applied
+            model.cpu_kernels = True
+            fast, fast_pool = _mixed_step(model, cfg)
+            model.cpu_kernels = False
+            ref, ref_pool = _mixed_step(model, cfg)
+            torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fast_pool, ref_pool, rtol=1e-5, atol=1e-5)
+            with torch.inference_mode():  # the packed GEMM alone against F.linear
+                x = torch.randn(37, cfg.hidden_size)
+                lin = model.model.layers[0].mlp.gate_up_proj
+                torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight),
+                                           rtol=1e-5, atol=1e-4)
         torch.manual_seed(0)
         for hq, hkv, d, bs in [(9, 3, 64, 16), (8, 2, 32, 16), (4, 4, 16, 4)]:
             lens = [1, 15, 16, 17, 100, 333]
@@ -188,8 +219,7 @@ def test_avx2_build_matches_reference(tmp_path):
             ref = reference_attention(q, k, v, meta, d ** -0.5)
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
         # the prefill kernel's 8-row vectors (AVX2): prompts and chunks over a cached prefix
-        from bucketserve.kernels.attention import AttentionBackend, c_prefill_default
-        assert not c_prefill_default()  # "auto" gives prompt attention to SDPA on AVX2
+        from bucketserve.kernels.attention import AttentionBackend
         for hq, hkv, d in [(9, 3, 64), (8, 2, 32)]:
             seqs = [(0, 1), (0, 13), (0, 40), (5, 33), (64, 17), (100, 130)]
             bs, nblocks = 16, 60
@@ -220,20 +250,29 @@ def test_avx2_build_matches_reference(tmp_path):
             torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
         print("ok")
     """)
-    env = {**os.environ, "BUCKETSERVE_CPU_KERNELS_MARCH": "x86-64-v3",
-           "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **isa_environment("avx2"), "XDG_CACHE_HOME": str(tmp_path),
+           "PYTHONPATH": str(ROOT)}
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
 
 
-def test_kernels_off_by_environment(tmp_path):
-    env = {**os.environ, "BUCKETSERVE_CPU_KERNELS": "0", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c",
-                        "from bucketserve.kernels import cpu_decode as c; "
-                        "print(c.load() is None, c.build_info()['enabled'])"],
-                       env=env, capture_output=True, text=True, timeout=120)
-    assert p.stdout.split() == ["True", "False"], p.stderr[-2000:]
+def test_kernels_off_by_the_plan():
+    """[cpu] c_kernels = false: no C kernels (torch ops); the model's plan says so."""
+    script = textwrap.dedent("""
+        from bucketserve.kernels import cpu_decode as c
+        from bucketserve.kernels.cpu_plan import isa_environment, resolve_cpu_plan
+        from bucketserve.models.config import ModelConfig
+        from bucketserve.models.loader import build_dummy_model
+        cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
+                          num_heads=2, num_kv_heads=1, head_dim=16)
+        plan = build_dummy_model(cfg).use_cpu_plan(resolve_cpu_plan(c_kernels=False))
+        print(c.load() is None, c.build_info()["enabled"], plan.c_kernels,
+              plan.prefill_attention)
+    """)
+    p = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, timeout=120)
+    assert p.stdout.split() == ["True", "False", "False", "sdpa"], p.stderr[-2000:]
 
 
 @needs_kernels

@@ -20,6 +20,7 @@ from bucketserve.buckets import load_buckets
 from bucketserve.engine.llm_engine import LLMEngine
 from bucketserve.engine.sequence import SamplingParams
 from bucketserve.kernels import cpu_quant
+from bucketserve.kernels.cpu_plan import isa_environment
 from bucketserve.kernels.quant import QuantizationUnsupported, resolve_quant_plan
 from bucketserve.models import load_model
 from bucketserve.models.gguf_loader import read_gguf_file
@@ -114,7 +115,9 @@ def test_avx2_build_on_an_avx512_host(tmp_path, smollm2_path):
         sys.path.insert(0, {str(ROOT / 'tests')!r})
         from test_cpu_quant import (assert_fp32_close, gguf_weights,
                                     test_int8_kernel_equals_its_reference_bit_for_bit as i8)
-        from bucketserve.kernels import cpu_quant
+        from bucketserve.kernels import cpu_decode, cpu_quant
+        from bucketserve.kernels.cpu_plan import resolve_cpu_plan
+        cpu_decode.select(resolve_cpu_plan("avx2").march)
         assert cpu_quant.build_info()["isa"] == "avx2+fma", cpu_quant.build_info()
         assert cpu_quant.build_info()["int8_isa"] == "avx2", cpu_quant.build_info()
         from pathlib import Path
@@ -127,8 +130,8 @@ def test_avx2_build_on_an_avx512_host(tmp_path, smollm2_path):
             i8(*shape)
         print("ok")
     """)
-    env = {**os.environ, "BUCKETSERVE_CPU_KERNELS_MARCH": "x86-64-v3",
-           "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **isa_environment("avx2"), "XDG_CACHE_HOME": str(tmp_path),
+           "PYTHONPATH": str(ROOT)}
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]

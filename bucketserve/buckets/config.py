@@ -253,6 +253,10 @@ QUANTIZATION_MODES = ("none", "fp8", "q4_1", "int8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 _quantization = _one_of(QUANTIZATION_MODES)
 _kv_cache_dtype = _one_of(KV_CACHE_DTYPES)
+# [cpu]: the CPU execution plan (kernels/cpu_plan.py resolves it at start-up)
+CPU_ISAS = ("auto", "avx512", "avx2", "baseline")
+CPU_GEMMS = ("auto", "onednn", "mkl")
+CPU_PREFILL_ATTENTION = ("auto", "c", "sdpa")
 
 
 def _policy(value: Any) -> str:
@@ -304,6 +308,13 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
         "max_inputs_per_request": (_positive_int, "embedding.max_inputs_per_request"),
         "max_merged_padding": (_closed_fraction_or_auto, "embedding.max_merged_padding"),
         "fused_kernels": (_fused_kernels, "embedding.fused_kernels"),
+    },
+    "cpu": {
+        "isa": (_one_of(CPU_ISAS), "cpu_isa"),
+        "gemm": (_one_of(CPU_GEMMS), "cpu_gemm"),
+        "threads": (_positive_int_or_auto, "cpu_threads"),
+        "c_kernels": (_bool, "cpu_c_kernels"),
+        "prefill_attention": (_one_of(CPU_PREFILL_ATTENTION), "cpu_prefill_attention"),
     },
 }
 
@@ -377,6 +388,12 @@ class BucketsConfig:
     quantization: str = "none"
     # KV pool element type: "auto" (the model dtype) or "fp8" (float8_e4m3fn with scales)
     kv_cache_dtype: str = "auto"
+    # the CPU plan's inputs ([cpu]; kernels/cpu_plan.resolve_cpu_plan)
+    cpu_isa: str = "auto"
+    cpu_gemm: str = "auto"
+    cpu_threads: int | str = "auto"
+    cpu_c_kernels: bool = True
+    cpu_prefill_attention: str = "auto"
     # Where the values came from, for error messages: the user file (or the default file), and
     # the dotted keys the user file set (defaults may be adapted to the model; user values not).
     source: str = field(default="<defaults>", compare=False)

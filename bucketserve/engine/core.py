@@ -247,16 +247,20 @@ class CoreConfig:
     seams: Seams | None = None  # a test's or benchmark's stand-ins (engine/faults.py)
 
 
-def build_engine(options: EngineOptions, faults: FaultPlan | None = None) -> LLMEngine:
+def build_engine(options: EngineOptions, faults: FaultPlan | None = None,
+                 engine_cores: int | None = None) -> LLMEngine:
     """Model, buckets, KV pool and a warm-up generation (every stage runs once).
-    options.quantization / kv_cache_dtype (the CLI flags) override the TOML's
-    model.quantization and kv_cache.dtype; FP8 on a device without FP8 tensor cores raises
-    QuantizationUnsupported (a one-line ValueError) before anything is loaded."""
+    options.quantization / kv_cache_dtype / cpu_* (the CLI flags) override the TOML's
+    model.quantization, kv_cache.dtype and [cpu] keys; FP8 on a device without FP8 tensor
+    cores raises QuantizationUnsupported, a CPU plan that cannot run here CpuPlanError (both
+    one-line ValueErrors) before anything is loaded. `engine_cores`: the cores the engine
+    was pinned to (its compute threads where [cpu] threads is "auto")."""
     import dataclasses
 
     import torch
 
     from bucketserve.buckets import load_buckets
+    from bucketserve.kernels.cpu_plan import resolve_cpu_plan
     from bucketserve.kernels.quant import resolve_quant_plan
     from bucketserve.models import load_model
 
@@ -264,16 +268,24 @@ def build_engine(options: EngineOptions, faults: FaultPlan | None = None) -> LLM
     torch_dtype = ((torch.bfloat16 if device == "cuda" else torch.float32) if dtype == "auto"
                    else getattr(torch, dtype))
     buckets = load_buckets(options.buckets_path)
+    threads = options.cpu_threads or buckets.cpu_threads
     buckets = dataclasses.replace(
         buckets, quantization=options.quantization or buckets.quantization,
-        kv_cache_dtype=options.kv_cache_dtype or buckets.kv_cache_dtype)
+        kv_cache_dtype=options.kv_cache_dtype or buckets.kv_cache_dtype,
+        cpu_isa=options.cpu_isa or buckets.cpu_isa, cpu_gemm=options.cpu_gemm or buckets.cpu_gemm,
+        cpu_threads=engine_cores if threads == "auto" and engine_cores else threads)
     quant = resolve_quant_plan(device, buckets.quantization, buckets.kv_cache_dtype)
     log.info("%s", quant.describe())
+    cpu = None
+    if torch.device(device).type == "cpu":
+        cpu = resolve_cpu_plan(buckets.cpu_isa, buckets.cpu_gemm, buckets.cpu_threads,
+                               buckets.cpu_c_kernels, buckets.cpu_prefill_attention)
     t0 = time.perf_counter()
     loaded = load_model(options.model, device=device, dtype=torch_dtype, quantization=quant.weights)
     t_model = time.perf_counter() - t0
     buckets = buckets.check_model(loaded.max_model_len)
-    engine = LLMEngine(loaded, buckets, device, nvtx=options.nvtx, quant=quant, faults=faults)
+    engine = LLMEngine(loaded, buckets, device, nvtx=options.nvtx, quant=quant, faults=faults,
+                       cpu=cpu)
     bm = engine.block_manager
     log.info("model %s loaded in %.1f s (max_model_len %d); KV pool: %d blocks of %d tokens",
              engine.model_name, t_model, engine.max_model_len, bm.num_usable_blocks, bm.block_size)
@@ -330,12 +342,13 @@ def run_core_process(cfg: CoreConfig) -> None:
     code = 0
     try:
         try:
+            cores = None
             if cfg.options.device == "cpu":  # BUCKETSERVE_CPU_AFFINITY (kernels/cpu_threads.py)
                 from bucketserve.kernels.cpu_threads import apply_engine_layout
 
-                apply_engine_layout()
+                cores = apply_engine_layout()
             seams = cfg.seams or Seams()
-            engine = build_engine(cfg.options, seams.faults)
+            engine = build_engine(cfg.options, seams.faults, cores)
             if seams.prepare_engine is not None:
                 seams.prepare_engine(engine)
             core = (seams.make_core or EngineCore)(engine)

@@ -36,6 +36,7 @@ from bucketserve.engine.sampler import Sampler
 from bucketserve.engine.scheduler import Scheduler
 from bucketserve.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from bucketserve.engine.stats import EngineStats, StepStats
+from bucketserve.kernels.cpu_plan import CpuPlan, resolve_cpu_plan
 from bucketserve.kernels.quant import QuantPlan, resolve_quant_plan
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class LLMEngine:
                  num_blocks: int | None = None, cuda_graphs: bool = True,
                  piecewise_graphs: bool = True, async_scheduling: bool | None = None,
                  nvtx: bool = False, quant: QuantPlan | None = None,
-                 faults: FaultPlan | None = None) -> None:
+                 faults: FaultPlan | None = None, cpu: CpuPlan | None = None) -> None:
         """`loaded` is a models.LoadedModel; `num_blocks` overrides the KV budget (tests);
         `faults`: a test's injected failures (engine/faults.py; None in production);
         `cuda_graphs` (CUDA only) captures one decode graph per decode batch size and, with
@@ -65,7 +66,9 @@ class LLMEngine:
         scheduler.async_scheduling). `nvtx` (CUDA only) wraps each step in an NVTX range
         named by its kind and bucket ("decode b=64", "mixed t=2048") for Nsight Systems.
         `quant`: the start-up's kernels.quant.QuantPlan (None: resolved here from the model's
-        quantization and the TOML's kv_cache.dtype); its KV dtype is the pool's."""
+        quantization and the TOML's kv_cache.dtype); its KV dtype is the pool's. `cpu`: the
+        start-up's kernels.cpu_plan.CpuPlan (None on the CPU: resolved here from the TOML's
+        [cpu] keys)."""
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -114,8 +117,11 @@ class LLMEngine:
             max_prefill_tokens=buckets.prefill_chunk_tokens(self.device.type),
         )
         sampler = Sampler(self.tokenizer.eos_token_ids)
+        if cpu is None and self.device.type == "cpu":
+            cpu = resolve_cpu_plan(buckets.cpu_isa, buckets.cpu_gemm, buckets.cpu_threads,
+                                   buckets.cpu_c_kernels, buckets.cpu_prefill_attention)
         self.runner = ModelRunner(loaded.model, layout, num_blocks, limits, self.device, dtype,
-                                  sampler)
+                                  sampler, cpu)
         self.cuda_info: dict = {}
         if self.device.type == "cuda":
             pw = buckets.piecewise_token_counts(self.max_batched_tokens) if piecewise_graphs else None

@@ -20,10 +20,14 @@ class EngineOptions:
     nvtx: bool = False  # an NVTX range per engine step (LLMEngine nvtx)
     quantization: str | None = None  # --quantization (None: the TOML's model.quantization)
     kv_cache_dtype: str | None = None  # --kv-cache-dtype (None: the TOML's kv_cache.dtype)
+    cpu_isa: str | None = None  # --cpu-isa (None: the TOML's cpu.isa)
+    cpu_gemm: str | None = None  # --cpu-gemm (None: the TOML's cpu.gemm)
+    cpu_threads: int | None = None  # --cpu-threads (None: the TOML's cpu.threads)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
         """From `bucketserve serve`'s parsed options (server/options.py)."""
         return cls(model=args.model, device=args.device, dtype=args.dtype,
                    buckets_path=args.buckets, log_level=args.log_level, nvtx=args.nvtx,
-                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                   cpu_isa=args.cpu_isa, cpu_gemm=args.cpu_gemm, cpu_threads=args.cpu_threads)

@@ -43,6 +43,7 @@ from bucketserve.engine.sampler import Sampler
 from bucketserve.engine.scheduler import ScheduledBatch
 from bucketserve.engine.sequence import Sequence, TokenLogprob
 from bucketserve.kernels.attention import AttentionMetadata, forward_context, prefill_tiles
+from bucketserve.kernels.cpu_plan import CpuPlan, resolve_cpu_plan
 
 log = logging.getLogger(__name__)
 
@@ -296,10 +297,11 @@ class RunnerStep:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, layout: KVLayout, num_blocks: int,
                  limits: StepLimits, device: torch.device, dtype: torch.dtype,
-                 sampler: Sampler) -> None:
+                 sampler: Sampler, cpu_plan: CpuPlan | None = None) -> None:
         """A KV pool of `num_blocks` blocks of `layout` (its dtype: the model's, or FP8,
         kernels/quant.py); `limits`: the largest step and the longest sequence; dtype: the
-        model's."""
+        model's; `cpu_plan`: how a CPU model runs (kernels/cpu_plan.py; None: the default
+        plan); the plan as applied (GEMM measured) is self.cpu_plan."""
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -308,8 +310,10 @@ class ModelRunner:
         self.sampler = sampler
         self.kv_cache = layout.pool(num_blocks, device)
         model.bind_kv_cache(self.kv_cache)
-        if device.type == "cpu" and hasattr(model, "pack_cpu_weights") and model.pack_cpu_weights():
-            log.info("CPU: projections use a packed sgemm (oneDNN or MKL: BUCKETSERVE_CPU_GEMM)")
+        self.cpu_plan: CpuPlan | None = None
+        if device.type == "cpu":
+            self.cpu_plan = model.use_cpu_plan(cpu_plan or resolve_cpu_plan())
+            log.info("%s", self.cpu_plan.describe())
         log.info("KV pool: %d blocks of %d tokens, %.2f GiB", num_blocks, block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
         self.max_blocks = -(-limits.max_model_len // block_size)

@@ -21,7 +21,6 @@ Block 0 is reserved as the dummy block: padded slots write there and nothing rea
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -221,11 +220,8 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def c_prefill_default() -> bool:
-    """Whether prompt attention takes the C kernel when BUCKETSERVE_CPU_PREFILL_KERNEL is
-    "auto": where the kernels are built for AVX-512. There its 16-row vectors ran 2x faster
-    than SDPA on an AMD EPYC (Zen 5) and as fast on an Intel Xeon; an AVX2 build has 8-row
-    vectors and ran 3x slower than SDPA (with ATen's AVX2 kernels) on that Xeon, 512 prompt
-    tokens of SmolLM2's shape: 31 ms against 9.6 on one thread."""
+    """Whether prompt attention takes the C kernel without a CPU plan's choice: where the
+    kernels are built for AVX-512 (the rule of kernels/cpu_plan.resolve_cpu_plan's "auto")."""
     return cpu_decode.build_info().get("isa") == "avx512f"
 
 
@@ -234,11 +230,10 @@ class AttentionBackend:
     backend on CUDA (bucketserve.kernels.triton_attention), selected by the runner."""
 
     name = "torch"
-    # float32 CPU prompt chunks through the C kernel (cpu_decode.paged_prefill) or SDPA:
-    # BUCKETSERVE_CPU_PREFILL_KERNEL "1" / "0", or "auto" (None here: c_prefill_default())
-    c_prefill: bool | None = {"1": True, "true": True, "on": True, "yes": True, "0": False,
-                              "false": False, "off": False, "no": False}.get(
-        os.environ.get("BUCKETSERVE_CPU_PREFILL_KERNEL", "auto").strip().lower())
+    # float32 CPU prompt chunks through the C kernel (cpu_decode.paged_prefill) or SDPA: set
+    # from the CPU plan's prefill_attention (LlamaForCausalLM.use_cpu_plan); None:
+    # c_prefill_default()
+    c_prefill: bool | None = None
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:

@@ -1,8 +1,10 @@
 """The C kernels of the float32 CPU forward (csrc/paged_decode.c), built on first use.
 
-They are compiled with the system C compiler for the host (`-march=native`) into a per-user
-cache and loaded with ctypes, so no build step is needed at install time. The cache key is
-the source's hash, the compiler's version, the flags and the CPU's feature flags: a cache
+They are compiled with the system C compiler into a per-user cache and loaded with ctypes, so
+no build step is needed at install time. The build is the CPU plan's (kernels/cpu_plan.py:
+`-march=native` at the host's own level, `-march=x86-64-v3` where AVX2 is forced on an
+AVX-512 host); `select` loads one at start-up and the ops below run it. The cache key is the
+source's hash, the compiler's version, the flags and the CPU's feature flags: a cache
 directory shared between an AVX-512 and an AVX2 machine holds one build per kind, and the
 loader checks that the instruction set a build was compiled for (`bs_isa()` in the C file)
 is one the host has before calling anything else in it.
@@ -11,8 +13,9 @@ Threads: with PyTorch on its OpenMP (GNU libgomp) backend, the kernels are built
 -fopenmp and run on PyTorch's own OpenMP team (the same libgomp.so.1 is loaded once); if a
 second OpenMP runtime shows up in the process they run on one thread instead.
 
-Where no compiler is available, or `BUCKETSERVE_CPU_KERNELS=0` is set, `load()` returns None
-and the model and attention stay on their torch paths (which are also the test oracles).
+Where no compiler is available, or the plan has them off (`[cpu] c_kernels = false`),
+`load()` returns None and the model and attention stay on their torch paths (which are also
+the test oracles).
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ from pathlib import Path
 
 import torch
 
+from bucketserve.kernels import cpu_plan
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+# The build in use (select): a cache of what was loaded for the plan, not a choice made here
 _lib: ctypes.CDLL | None = None
-_tried = False
+_selected: tuple[str, bool] | None = None  # (march, enabled) of _lib
 _info: dict = {}
 _threads_ok = True  # False when a second OpenMP runtime is in the process
 
@@ -44,26 +50,12 @@ def _cache_dir() -> Path:
     return Path(base) / "bucketserve" / "kernels"
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty where unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+_ISA_LEVEL = {"avx512": 3, "avx2": 2, "baseline": 1}  # bs_isa()'s levels
 
 
 def host_isa(flags: set[str] | None = None) -> int:
     """3: AVX-512F, 2: AVX2 + FMA, 1: anything else (the levels of bs_isa() in the C file)."""
-    flags = cpu_flags() if flags is None else flags
-    if "avx512f" in flags:
-        return 3
-    if "avx2" in flags and "fma" in flags:
-        return 2
-    return 1
+    return _ISA_LEVEL[cpu_plan.host_isa(flags)]
 
 
 def _openmp_shared() -> bool:
@@ -86,28 +78,18 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def _flags(openmp: bool) -> list[str]:
-    """Compiler flags. BUCKETSERVE_CPU_KERNELS_MARCH=NAME builds for -march=NAME instead of the
-    host (tests use it to run the AVX2 build on an AVX-512 machine).
+def _flags(openmp: bool, march: str = "native") -> list[str]:
+    """Compiler flags for -march=`march` ("native": the host's own instruction set).
 
-    On x86 the instruction set is the host's (-march=native) but the tuning is GCC's generic
-    one (BUCKETSERVE_CPU_KERNELS_TUNE=NAME overrides it): -march=native also tunes for the CPU
-    model the processor reports, and under a hypervisor that can be another chip's. The
-    Intel Xeon (AVX-512, AMX) of one of this project's machines reports model 167, which GCC
-    12 tunes as Rocket Lake: its decode attention then ran 5.1x slower than with generic
-    tuning on the same instructions (16 sequences x 512 positions, one thread: 8.2 ms against
-    1.6 ms)."""
-    march = os.environ.get("BUCKETSERVE_CPU_KERNELS_MARCH")
+    On x86 the tuning is GCC's generic one: -march=native also tunes for the CPU model the
+    processor reports, and under a hypervisor that can be another chip's. The Intel Xeon
+    (AVX-512, AMX) of one of this project's machines reports model 167, which GCC 12 tunes as
+    Rocket Lake: its decode attention then ran 5.1x slower than with generic tuning on the
+    same instructions (16 sequences x 512 positions, one thread: 8.2 ms against 1.6 ms)."""
     x86 = platform.machine() in ("x86_64", "AMD64", "i686")
-    if march:
-        arch = [f"-march={march}"]
-    elif x86:
-        arch = ["-march=native"]
-    else:
-        arch = ["-mcpu=native"]
-    tune = os.environ.get("BUCKETSERVE_CPU_KERNELS_TUNE", "generic" if x86 else "").strip()
-    if tune:
-        arch.append(f"-mtune={tune}")
+    arch = [f"-march={march}" if x86 else f"-mcpu={march}"]
+    if x86:
+        arch.append("-mtune=generic")
     return ["-O3", *arch, "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared",
             "-fopenmp" if openmp else "-fopenmp-simd"]
 
@@ -161,22 +143,24 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.silu_mul_f32.argtypes = [ptr, ptr, i64, i64, i32]
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernels, or None when they cannot be built or run here."""
-    global _lib, _tried, _threads_ok
-    if _tried:
-        return _lib
-    _tried = True
-    if os.environ.get("BUCKETSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "off", "no"):
-        _info.update(enabled=False, reason="BUCKETSERVE_CPU_KERNELS=0")
-        return None
+def select(march: str = "native", enabled: bool = True) -> dict:
+    """Builds (or finds in the cache) and loads the kernels for -march=`march`, and makes them
+    the ones the ops below run; enabled=False: none (torch ops). Returns build_info()."""
+    global _lib, _selected, _threads_ok
+    if _selected == (march, enabled):
+        return dict(_info)
+    _lib, _selected = None, (march, enabled)
+    _info.clear()
+    if not enabled:
+        _info.update(enabled=False, reason="[cpu] c_kernels = false")
+        return dict(_info)
     cc = _compiler()
     if cc is None:
         log.warning("CPU kernels unavailable (no C compiler: set CC or install gcc); using torch ops")
         _info.update(enabled=False, reason="no C compiler")
-        return None
-    features = cpu_flags()
-    flags = _flags(_openmp_shared())
+        return dict(_info)
+    features = cpu_plan.cpu_flags()
+    flags = _flags(_openmp_shared(), march)
     isa = host_isa(features)
     target = build_target(cc, flags, features)
     try:
@@ -188,13 +172,13 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("CPU kernels unavailable, using torch ops: %s", detail)
         _info.update(enabled=False, reason=str(detail)[:200])
-        return None
+        return dict(_info)
     built = lib.bs_isa()
     if features and built > isa:
         log.warning("CPU kernel build %s targets ISA level %d but this CPU has level %d; using "
                     "torch ops", target.name, built, isa)
         _info.update(enabled=False, reason="build for another instruction set")
-        return None
+        return dict(_info)
     runtimes = _omp_runtimes()
     _threads_ok = bool(lib.bs_openmp()) and len(runtimes) <= 1
     if lib.bs_openmp() and len(runtimes) > 1:
@@ -203,6 +187,21 @@ def load() -> ctypes.CDLL | None:
     _info.update(enabled=True, path=str(target), isa={3: "avx512f", 2: "avx2+fma"}.get(built, "baseline"),
                  openmp=bool(lib.bs_openmp()), threads=_threads_ok, flags=" ".join(flags))
     _lib = lib
+    return dict(_info)
+
+
+def selected_march() -> str:
+    """The -march of the kernels in use (select's; "native" before any plan selected one)."""
+    if _selected is None:
+        select()
+    return _selected[0]
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernels in use (the host's native build when no plan selected one), or None when
+    they cannot be built or run here."""
+    if _selected is None:
+        select()
     return _lib
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from bucketserve.kernels import cpu_decode
+from bucketserve.kernels.cpu_plan import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -48,24 +49,30 @@ MAX_K = 8192  # csrc/quant_gemm.c's strip buffer
 # the fused kernel serves every step the scheduler makes (chunks up to its token budget).
 Q_GEMM_MAX_ROWS = 4096
 
-_lib: ctypes.CDLL | None = None
-_tried = False
-_info: dict = {}
+_libs: dict[str, ctypes.CDLL | None] = {}  # per -march: the build, or None where it failed
+_infos: dict[str, dict] = {}
+
+
+def _march() -> str:
+    """The -march of the C kernels in use (the CPU plan's, kernels/cpu_plan.py)."""
+    return cpu_decode.selected_march()
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled csrc/quant_gemm.c, or None where it cannot be built or run here (no C
-    compiler, BUCKETSERVE_CPU_KERNELS=0, a build for another instruction set)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
+    """The compiled csrc/quant_gemm.c for the -march the CPU plan selected (cpu_decode.select),
+    or None where it cannot be built or run here (no C compiler, [cpu] c_kernels = false, a
+    build for another instruction set)."""
+    march = _march()
+    if march in _libs:
+        return _libs[march]
+    info = _infos[march] = {}
+    _libs[march] = None
     if cpu_decode.load() is None:  # same switches, compiler and OpenMP checks
-        _info.update(enabled=False, reason=cpu_decode.build_info().get("reason", ""))
+        info.update(enabled=False, reason=cpu_decode.build_info().get("reason", ""))
         return None
     cc = cpu_decode._compiler()
-    features = cpu_decode.cpu_flags()
-    flags = cpu_decode._flags(cpu_decode._openmp_shared())
+    features = cpu_flags()
+    flags = cpu_decode._flags(cpu_decode._openmp_shared(), march)
     target = cpu_decode.build_target(cc, flags, features, _SOURCE)
     try:
         if not target.exists():
@@ -74,7 +81,7 @@ def load() -> ctypes.CDLL | None:
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("quantized CPU kernels unavailable: %s", detail)
-        _info.update(enabled=False, reason=str(detail)[:200])
+        info.update(enabled=False, reason=str(detail)[:200])
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.bq_isa.restype = i32
@@ -87,18 +94,18 @@ def load() -> ctypes.CDLL | None:
     lib.i8_gemm.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i32]
     built = lib.bq_isa()
     if features and built > cpu_decode.host_isa(features):
-        _info.update(enabled=False, reason="build for another instruction set")
+        info.update(enabled=False, reason="build for another instruction set")
         return None
-    _info.update(enabled=True, path=str(target),
-                 isa={3: "avx512f", 2: "avx2+fma"}.get(built, "baseline"),
-                 int8_isa={4: "avx512_vnni", 2: "avx2"}.get(lib.i8_isa(), "baseline"))
-    _lib = lib
+    info.update(enabled=True, path=str(target), march=march,
+                isa={3: "avx512f", 2: "avx2+fma"}.get(built, "baseline"),
+                int8_isa={4: "avx512_vnni", 2: "avx2"}.get(lib.i8_isa(), "baseline"))
+    _libs[march] = lib
     return lib
 
 
 def build_info() -> dict:
     load()
-    return dict(_info)
+    return dict(_infos[_march()])
 
 
 def describe_kernels(mode: str) -> str:

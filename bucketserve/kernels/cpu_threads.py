@@ -5,8 +5,8 @@ PyTorch's OpenMP team) and the HTTP front end (event loop, tokenization, detoken
 An OpenMP team waits for its slowest member at every barrier, so when the front end takes a
 core that one of the team's threads runs on, the whole team waits. Layouts:
 
-  BUCKETSERVE_CPU_AFFINITY=off   (default) no pinning; the engine's team has
-                                 BUCKETSERVE_CPU_THREADS threads (default: one per core)
+  BUCKETSERVE_CPU_AFFINITY=off   (default) no pinning; the engine's team has the CPU plan's
+                                 threads ([cpu] threads; "auto": one per core)
   BUCKETSERVE_CPU_AFFINITY=auto  with at least 2 usable cores: the engine core process on all
                                  but the last core, one compute thread per core there, the
                                  front end on the last core (vLLM's CPU build does this)
@@ -83,17 +83,17 @@ def pin_process(cpus: set[int]) -> None:
             pass
 
 
-def apply_engine_layout() -> None:
-    """In the engine core process, before the model runs: pin it and size its compute team
-    to its cores (unless BUCKETSERVE_CPU_THREADS says otherwise)."""
+def apply_engine_layout() -> int | None:
+    """In the engine core process, before the model runs: pin it; returns its number of
+    cores (the compute threads of a CPU plan whose threads are "auto"), or None when nothing
+    was pinned."""
     layout = plan()
     if layout is None:
-        return
+        return None
     engine, _ = layout
     pin_process(engine)
-    os.environ.setdefault("BUCKETSERVE_CPU_THREADS", str(len(engine)))
-    log.info("CPU layout: engine core on cores %s, %s compute threads", sorted(engine),
-             os.environ["BUCKETSERVE_CPU_THREADS"])
+    log.info("CPU layout: engine core on cores %s", sorted(engine))
+    return len(engine)
 
 
 def apply_frontend_layout() -> None:

@@ -14,11 +14,10 @@ and gathered once per forward, then shared by all layers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import os
 import threading
-import time
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +26,13 @@ from torch import nn
 from bucketserve.buckets.config import GEMV_MODES
 from bucketserve.kernels import cpu_decode, cpu_quant
 from bucketserve.kernels.attention import AttentionBackend, get_forward_context
+from bucketserve.kernels.cpu_plan import (
+    CpuPlan,
+    default_cpu_plan,
+    pack_weight,
+    packed_linear,
+    with_measured_gemm,
+)
 from bucketserve.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_per_channel
 from bucketserve.kernels.fp8_ops import (
     fp8_linear,
@@ -69,141 +75,30 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 # nn.Linear's kaiming init saves seconds per load (and a slow first meta-device init).
 
 
-def mkl_packing_available() -> bool:
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-
-
-def onednn_packing_available() -> bool:
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-def cpu_gemm_backend() -> str | None:
-    """Which packed float32 GEMM the CPU projections use: BUCKETSERVE_CPU_GEMM = "onednn",
-    "mkl" or "auto" (the default). "auto" is returned as is when this torch has both: the
-    first model packed then measures them on its own weights (measure_cpu_gemm) and keeps
-    the faster for the process. None: neither is available.
-
-    Neither wins everywhere. oneDNN picks its kernels by the CPU's instruction set, MKL also by
-    its vendor: on the AMD EPYC (Zen 5, AVX-512) of this project's 2-core machine MKL's packed
-    sgemm ran its AVX2 kernels at ~110 GFLOP/s per core and oneDNN's AVX-512 ones at ~250; on
-    an Intel Xeon (AVX-512, AMX) MKL's ran at 153 GFLOP/s at 16 rows against oneDNN's 81, and
-    faster at every row count measured (bench/cpu_profile.py measures both at the model's
-    shapes)."""
-    want = os.environ.get("BUCKETSERVE_CPU_GEMM", "auto").strip().lower() or "auto"
-    if want not in ("auto", "onednn", "mkl"):
-        raise ValueError(f"BUCKETSERVE_CPU_GEMM={want!r}: expected auto, onednn or mkl")
-    dnn, mkl = onednn_packing_available(), mkl_packing_available()
-    if want == "auto" and dnn and mkl:
-        return "auto"
-    if want in ("auto", "onednn") and dnn:
-        return "onednn"
-    if want in ("auto", "mkl") and mkl:
-        return "mkl"
-    return None
-
-
-def _pack_as(backend: str, weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
-    if backend == "onednn":
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), batch_hint)
-
-
-def _linear_as(backend: str, x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
-    # the ops bound once below (_dnn_linear, _mkl_linear): a torch.ops lookup per call costs
-    # microseconds on the per-projection path
-    if backend == "onednn":
-        return _dnn_linear(x, packed, bias, "none", [], "")
-    return _mkl_linear(x, packed, weight, bias, x.shape[0])
-
-
-# What "auto" times on a model's largest projection: 32 GEMMs of 16 rows (decode-sized) and one
-# of 512 (prefill-sized), the same rows in both, twice per backend, alternating.
-_GEMM_PROBE = ((16, 32), (512, 1))
-
-
-@torch.inference_mode()
-def measure_cpu_gemm(weight: torch.Tensor, rounds: int = 2) -> tuple[str, dict[str, float]]:
-    """The faster packed backend ("onednn" or "mkl") for a float32 [out, in] weight, with each
-    one's best time (ms) for the rows of _GEMM_PROBE. Both give the same results to rounding
-    (tests/test_cpu_threads.py), so the choice only moves speed."""
-    xs = {rows: torch.randn(rows, weight.shape[1]) for rows, _ in _GEMM_PROBE}
-    packed = {b: _pack_as(b, weight) for b in ("onednn", "mkl")}
-    best = {b: float("inf") for b in packed}
-    for _ in range(rounds):
-        for b, p in packed.items():
-            _linear_as(b, xs[16], p, weight, None)  # warm-up
-            t0 = time.perf_counter()
-            for rows, reps in _GEMM_PROBE:
-                for _ in range(reps):
-                    _linear_as(b, xs[rows], p, weight, None)
-            best[b] = min(best[b], (time.perf_counter() - t0) * 1e3)
-    return min(best, key=best.get), best
-
-
-def _resolve_gemm(module: nn.Module) -> None:
-    """BUCKETSERVE_CPU_GEMM=auto: measures both backends once, on the largest projection of
-    the first module packed, and keeps the faster for the process."""
-    global _GEMM
-    if _GEMM != "auto":
-        return
-    weight = max((sub.weight for sub in module.modules() if isinstance(sub, Linear)),
-                 key=lambda w: w.numel(), default=None)
-    if weight is None:
-        return
-    _GEMM, times = measure_cpu_gemm(weight)
-    log.info("CPU GEMM: %s (BUCKETSERVE_CPU_GEMM=auto, measured on a %dx%d weight, %d and %d "
-             "rows: %s)", _GEMM, *weight.shape, *(rows for rows, _ in _GEMM_PROBE),
-             ", ".join(f"{b} {t:.1f} ms" for b, t in times.items()))
-
-
 def packed_gemm_backend() -> str | None:
-    """The packed GEMM in use: "onednn", "mkl", "auto" (not measured yet) or None."""
-    return _GEMM
+    """The packed GEMM of models packed without a plan (the BERT encoders):
+    kernels/cpu_plan.default_cpu_plan()'s, "onednn", "mkl" or None."""
+    return default_cpu_plan().gemm
 
 
-def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
-    """The packed layout of a float32 [out, in] weight for the CPU GEMM backend in use
-    (cpu_gemm_backend). Packed sgemm is 2-4x faster than F.linear at the small row counts of
-    CPU decode steps (measured: 64 rows x 576 -> 3072, 8.0 ms -> 2.1 ms on 2 cores, MKL) and no
-    slower at prefill sizes; oneDNN's layout chosen for 64 rows serves 8..2048 rows at the
-    same rate."""
-    return _pack_as(_GEMM, weight, batch_hint)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    return _linear_as(_GEMM, x, packed, weight, bias)
-
-
-def pack_linear_weights(module: nn.Module, weight: torch.Tensor) -> bool:
-    """Gives every Linear inside `module` a packed copy of its weight (pack_weight), when
-    `weight` (one of the model's parameters) is float32 on CPU and a packed GEMM is available;
-    the original weights stay (autograd, unpacked paths). Returns False, changing nothing,
-    otherwise."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or _GEMM is None:
-        return False
-    _resolve_gemm(module)
-    for sub in module.modules():
-        if isinstance(sub, Linear):
-            sub.packed = pack_weight(sub.weight)
-    return True
-
-
-_GEMM = cpu_gemm_backend()
-_mkl_linear = torch.ops.mkl._mkl_linear if mkl_packing_available() else None
-_dnn_linear = torch.ops.mkldnn._linear_pointwise if onednn_packing_available() else None
-
-
-def _apply_cpu_threads() -> None:
-    """BUCKETSERVE_CPU_THREADS=N: the compute threads of the thread that runs the forward.
-    PyTorch's thread count (OpenMP's) is a per-thread setting, so it is applied in the thread
-    that runs the model (the engine's), on its first forward there."""
-    value = os.environ.get("BUCKETSERVE_CPU_THREADS", "").strip()
-    if value.isdigit() and int(value) > 0:
-        torch.set_num_threads(int(value))
+def pack_linear_weights(module: nn.Module, weight: torch.Tensor,
+                        plan: CpuPlan | None = None) -> CpuPlan | None:
+    """Gives every Linear inside `module` a packed copy of its weight for the plan's GEMM
+    (kernels/cpu_plan.py; None: default_cpu_plan()), when `weight` (one of the model's
+    parameters) is float32 on CPU and the plan has a packed GEMM; the original weights stay
+    (autograd, unpacked paths). A plan whose gemm is "auto" is measured on the module's
+    largest projection first. Returns the plan used, or None, changing nothing, where packing
+    does not apply."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    linears = [sub for sub in module.modules() if isinstance(sub, Linear)]
+    plan = plan or default_cpu_plan()
+    if plan.gemm is None or not linears:
+        return None
+    plan = with_measured_gemm(plan, max((m.weight for m in linears), key=lambda w: w.numel()))
+    for sub in linears:
+        sub.gemm, sub.packed = plan.gemm, pack_weight(plan.gemm, sub.weight)
+    return plan
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int]) -> torch.Tensor:
@@ -214,13 +109,14 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, in
 
 
 def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
-    """(packed, weight, bias) of a Linear applied to x [T, in] (no module call overhead)."""
+    """(gemm, packed, weight, bias) of a Linear, or a QuantLinear, applied to x [T, in] (no
+    module call overhead)."""
     if isinstance(lin, QuantLinear):
         return lin(x)
-    packed, weight, bias = lin
+    gemm, packed, weight, bias = lin
     if packed is None:
         return F.linear(x, weight, bias)
-    return _linear_as(_GEMM, x, packed, weight, bias)
+    return packed_linear(gemm, x, packed, weight, bias)
 
 
 class Linear(nn.Module):
@@ -228,7 +124,9 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        self.packed: torch.Tensor | None = None  # set by pack_linear_weights
+        # set by pack_linear_weights: the packed weight and its GEMM ("onednn" | "mkl")
+        self.packed: torch.Tensor | None = None
+        self.gemm: str | None = None
         # CUDA: the Triton GEMV config for one-row inputs (kernels/triton_gemv), set by
         # LlamaForCausalLM.use_gemv where it measured faster than cuBLAS; None: F.linear
         self.gemv: tuple[int, int, int, int] | None = None
@@ -237,7 +135,7 @@ class Linear(nn.Module):
         if self.gemv is not None and x.shape[0] == 1:  # set only on bias-free projections
             return _gemv(x, self.weight, self.gemv)
         if self.packed is not None and not torch.is_grad_enabled():
-            return packed_linear(x, self.packed, self.weight, self.bias)
+            return packed_linear(self.gemm, x, self.packed, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -506,11 +404,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, self.attn_backend, quantization, **factory)
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, bias=False, **factory))
-        self._lm_head_packed: torch.Tensor | None = None  # see pack_cpu_weights
+        self._lm_head_packed: torch.Tensor | None = None  # see use_cpu_plan
         self.lm_head_quant: QuantLinear | None = None  # the logits' QuantLinear (CPU modes)
+        self.cpu: CpuPlan | None = None  # the CPU plan in use (use_cpu_plan)
         self._lm_head_gemv: tuple[int, int, int, int] | None = None  # see use_gemv
         self._cpu_plan: list[tuple] | None = None  # see _forward_cpu
-        self._threads_set_for: int | None = None  # the thread _apply_cpu_threads ran in
+        self._threads_set_for: int | None = None  # the thread the plan's threads were set in
         # [max_pos, D]: cos in the first D/2 columns, sin in the last D/2
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         if torch.device(device or "cpu").type != "meta":
@@ -575,7 +474,7 @@ class LlamaForCausalLM(nn.Module):
         """Per layer, what _forward_cpu reads (looked up once, not per step)."""
         if self._cpu_plan is None:
             def lin(m: Linear | QuantLinear) -> tuple | QuantLinear:
-                return m if isinstance(m, QuantLinear) else (m.packed, m.weight, m.bias)
+                return m if isinstance(m, QuantLinear) else (m.gemm, m.packed, m.weight, m.bias)
 
             plan = []
             for layer in self.model.layers:
@@ -592,7 +491,10 @@ class LlamaForCausalLM(nn.Module):
         operations in the same order per element (rounding included) as the torch path,
         except the reductions' summation order and SiLU's exp (within 2 ulp)."""
         if self._threads_set_for != threading.get_ident():
-            _apply_cpu_threads()
+            # torch's thread count (OpenMP's) is per thread: set in the thread that runs the
+            # model (the engine's), on its first forward there
+            if self.cpu is not None and self.cpu.threads:
+                torch.set_num_threads(self.cpu.threads)
             self._threads_set_for = threading.get_ident()
         meta = get_forward_context()
         c, m = self.config, self.model
@@ -693,16 +595,31 @@ class LlamaForCausalLM(nn.Module):
                else silu_and_mul(gu))
         return down(act), res
 
-    def pack_cpu_weights(self) -> bool:
-        """Switches every projection (and the LM head) of a float32 CPU model to the packed
-        sgemm (cpu_gemm_backend); the original weights stay for the embedding lookup and for autograd. Returns
-        False (and changes nothing) where packing does not apply."""
+    def use_cpu_plan(self, plan: CpuPlan) -> CpuPlan:
+        """Runs a float32 CPU model as `plan` says (kernels/cpu_plan.py): every projection and
+        the LM head on its packed sgemm (measured on the largest projection where the plan's
+        gemm is "auto"; the original weights stay for the embedding lookup and for autograd),
+        the C kernels of its build, prompt attention by its choice, its thread count. Returns
+        the plan as applied (the GEMM decided; C kernels off where they do not build)."""
+        built = cpu_decode.select(plan.march, plan.c_kernels)
+        if plan.c_kernels and not built.get("enabled"):
+            plan = dataclasses.replace(plan, c_kernels=False, prefill_attention="sdpa")
+        self.attn_backend.c_prefill = plan.prefill_attention == "c"
         w = self.model.embed_tokens.weight
-        if self.quantization in cpu_quant.CPU_MODES or not pack_linear_weights(self, w):
-            return False
+        if self.quantization in cpu_quant.CPU_MODES:
+            plan = dataclasses.replace(
+                plan, gemm=None, gemm_how=f"{self.quantization} projections",
+                quant_kernels=cpu_quant.describe_kernels(self.quantization))
+        elif (packed := pack_linear_weights(self, w, plan)) is None:
+            plan = dataclasses.replace(plan, gemm=None, gemm_how="not a float32 CPU model")
+        else:
+            plan = packed
+            self._lm_head_packed = pack_weight(plan.gemm, w if self.lm_head is None
+                                               else self.lm_head.weight)
         self._cpu_plan = None
-        self._lm_head_packed = pack_weight(w if self.lm_head is None else self.lm_head.weight)
-        return True
+        self._threads_set_for = None
+        self.cpu = plan
+        return plan
 
     def use_gemv(self, mode: str = "auto") -> dict:
         """CUDA, bf16 / fp16 weights: one-row products (a decode step of one sequence) by the
@@ -754,6 +671,7 @@ class LlamaForCausalLM(nn.Module):
         if self._lm_head_gemv is not None and hidden.shape[0] == 1:
             return _gemv(hidden, w, self._lm_head_gemv).float()
         if self._lm_head_packed is not None and not torch.is_grad_enabled():
-            return packed_linear(hidden.contiguous(), self._lm_head_packed, w, None)
+            return packed_linear(self.cpu.gemm, hidden.contiguous(), self._lm_head_packed, w,
+                                 None)
         logits = F.linear(hidden, w)
         return logits if logits.dtype == torch.float32 else logits.float()

@@ -22,7 +22,12 @@ from bucketserve.engine.faults import Seams
 from bucketserve.kernels.cpu_threads import usable_cores
 from bucketserve.server.app import ENGINE_STOP_S, AddOn, begin_drain, create_app
 from bucketserve.server.options import DTYPES, build_parser  # noqa: F401 (the CLI's API)
-from bucketserve.server.startup import check_quantization, load_add_ons, load_engine
+from bucketserve.server.startup import (
+    check_quantization,
+    load_add_ons,
+    load_engine,
+    prepare_cpu,
+)
 
 log = logging.getLogger("bucketserve.server")
 
@@ -67,6 +72,7 @@ def serve(args: argparse.Namespace, seams: Seams | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from installed packages only
     try:
         check_quantization(args)
+        prepare_cpu(args)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from bucketserve.buckets.config import QUANTIZATION_MODES
+from bucketserve.buckets.config import CPU_GEMMS, CPU_ISAS, QUANTIZATION_MODES
 from bucketserve.server.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -36,6 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default=None,
                    help="KV pool element type; auto = --dtype; default: the buckets file's "
                         "kv_cache.dtype (auto)")
+    s.add_argument("--cpu-isa", choices=CPU_ISAS, default=None,
+                   help="instruction set of the CPU kernels (torch, oneDNN, MKL and ours): auto "
+                        "(the host's best) or a lower one forced; default: the buckets file's "
+                        "cpu.isa (auto)")
+    s.add_argument("--cpu-gemm", choices=CPU_GEMMS, default=None,
+                   help="packed sgemm of the CPU projections; auto = the faster measured at "
+                        "start-up; default: the buckets file's cpu.gemm (auto)")
+    s.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="compute threads of the CPU engine; default: the buckets file's "
+                        "cpu.threads (auto: one per engine core)")
     s.add_argument("--rerank-model", default=None, metavar="DIR",
                    help="BERT cross-encoder (HF BertForSequenceClassification directory) for "
                         "/v1/rerank and /v1/score; default: none")

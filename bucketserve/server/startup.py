@@ -47,6 +47,25 @@ def check_quantization(args: argparse.Namespace) -> None:
         raise ValueError(why)
 
 
+def prepare_cpu(args: argparse.Namespace) -> None:
+    """--device cpu: checks the CPU ISA (--cpu-isa, or the buckets file's cpu.isa) and, where a
+    level below the host's is forced, holds torch, oneDNN and MKL to it through their
+    environment variables (kernels/cpu_plan.isa_environment), set here, before any of them
+    dispatches in this process or in the engine core process started from it. Raises
+    CpuPlanError (a one-line ValueError) for an ISA the host lacks."""
+    if args.device != "cpu":
+        return
+    import os
+
+    from bucketserve.buckets import load_buckets
+    from bucketserve.kernels.cpu_plan import isa_environment
+
+    env = isa_environment(args.cpu_isa or load_buckets(args.buckets).cpu_isa)
+    os.environ.update(env)
+    if env:
+        log.info("CPU ISA forced: %s", " ".join(f"{k}={v}" for k, v in env.items()))
+
+
 def load_engine(args: argparse.Namespace, seams: Seams | None = None):
     """The engine core (its own process unless --engine-in-process), loaded and warmed up,
     and the buckets config; returns a started-not-yet AsyncEngine. `seams`: what a test or
