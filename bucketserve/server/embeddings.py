@@ -42,7 +42,11 @@ from bucketserve.engine.embedding_batcher import (
 from bucketserve.engine.embedding_runner import CudaGraphRunner
 from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.outputs import QueueFullError
-from bucketserve.models.bert_loader import LoadedEmbeddingModel, load_embedding_model
+from bucketserve.models.bert_loader import (
+    LoadedCrossEncoder,
+    LoadedEmbeddingModel,
+    load_embedding_model,
+)
 from bucketserve.server.errors import APIError, invalid_request, overloaded
 from bucketserve.server.generation import ClientGone, until_disconnect
 from bucketserve.server.protocol import Int, _Request, check_text, worker_tag
@@ -223,37 +227,62 @@ class BatcherStatsCollector(Collector):
                                 value=b.num_waiting_requests)
 
 
-class EmbeddingService:
-    """The /v1/embeddings add-on: model, batcher and router (see server/app.py AddOn)."""
+class EncoderService:
+    """What the embeddings and the rerank add-ons (server/app.py AddOn) share: a loaded BERT
+    model behind its batcher, the router, and the batcher's errors as API errors."""
 
-    def __init__(self, loaded: LoadedEmbeddingModel, buckets: BucketsConfig,
-                 faults: FaultPlan | None = None) -> None:
-        """`faults`: a test's injected encoder failures (engine/faults.py)."""
+    def __init__(self, loaded: LoadedEmbeddingModel | LoadedCrossEncoder,
+                 buckets: BucketsConfig) -> None:
         buckets = buckets.check_model(embedding_max_len=loaded.max_seq_length)
         self.loaded = loaded
         self.model_name = loaded.name
         self.batcher = build_batcher(loaded.model, loaded.config.pad_token_id, buckets)
-        runner = self.batcher.runner
-        self.graphs = runner if isinstance(runner, CudaGraphRunner) else None
-        self.batcher.faults = faults
-        self.max_inputs = buckets.embedding.max_inputs_per_request
-        self.queue_timeout_s = buckets.queue_timeout_s
         # Longest input served: the model's limit, or a smaller last bucket from the user's file.
         self.max_input_tokens = min(loaded.max_seq_length, self.batcher.max_len)
-        self.metrics_collector = BatcherStatsCollector(self.batcher)
-        self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
         self.router = APIRouter()
-        self.router.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
 
     async def start(self) -> None:
         self.batcher.start()
 
     async def shutdown(self, timeout_s: float) -> None:
         await self.batcher.shutdown(timeout_s)
-        self.tokenizer.close()
 
     def is_alive(self) -> bool:
         return self.batcher.is_alive()
+
+    async def encode(self, rows: list[Any], **kw: Any) -> list[np.ndarray]:
+        """batcher.embed, its refusals and failures as the API errors they answer."""
+        try:
+            return await self.batcher.embed(rows, **kw)
+        except QueueFullError as exc:
+            raise overloaded(str(exc), "queue_full") from exc
+        except QueueTimeoutError as exc:
+            raise overloaded(str(exc), "queue_timeout") from exc
+        except BatcherStoppedError as exc:
+            raise overloaded(str(exc), "shutting_down") from exc
+        except EncoderError as exc:
+            raise APIError(500, str(exc), "server_error", None, "encoder_error") from exc
+
+
+class EmbeddingService(EncoderService):
+    """The /v1/embeddings add-on."""
+
+    def __init__(self, loaded: LoadedEmbeddingModel, buckets: BucketsConfig,
+                 faults: FaultPlan | None = None) -> None:
+        """`faults`: a test's injected encoder failures (engine/faults.py)."""
+        super().__init__(loaded, buckets)
+        runner = self.batcher.runner
+        self.graphs = runner if isinstance(runner, CudaGraphRunner) else None
+        self.batcher.faults = faults
+        self.max_inputs = buckets.embedding.max_inputs_per_request
+        self.queue_timeout_s = buckets.queue_timeout_s
+        self.metrics_collector = BatcherStatsCollector(self.batcher)
+        self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
+        self.router.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
+
+    async def shutdown(self, timeout_s: float) -> None:
+        await super().shutdown(timeout_s)
+        self.tokenizer.close()
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         """POST /v1/embeddings on the server's app: FastAPI decodes and validates the body,
@@ -280,17 +309,8 @@ class EmbeddingService:
         budget_s = parse_deadline_ms(deadline_header, self.queue_timeout_s)
         self._check_fields(body)
         token_ids = await self._token_ids(body)
-        try:
-            vectors = await self.batcher.embed(token_ids, priority=body.priority,
-                                               budget_s=budget_s, arrival=arrival)
-        except QueueFullError as exc:
-            raise overloaded(str(exc), "queue_full") from exc
-        except QueueTimeoutError as exc:
-            raise overloaded(str(exc), "queue_timeout") from exc
-        except BatcherStoppedError as exc:
-            raise overloaded(str(exc), "shutting_down") from exc
-        except EncoderError as exc:
-            raise APIError(500, str(exc), "server_error", None, "encoder_error") from exc
+        vectors = await self.encode(token_ids, priority=body.priority, budget_s=budget_s,
+                                    arrival=arrival)
         used = sum(len(ids) for ids in token_ids)
         if request_log is not None:
             lengths = [len(ids) for ids in token_ids]
