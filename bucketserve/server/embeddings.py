@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
 import json
 import logging
 import math
@@ -85,59 +84,41 @@ _Job = tuple[list[str], "int | None", asyncio.Future]
 
 
 class CoalescingTokenizer:
-    """Tokenizes the texts of concurrent requests together, off the event loop.
-
-    A request's texts join a pending list; when no tokenization runs, the whole list goes to
-    one helper thread as one `encode_batch` call per truncation length (the tokenizers
-    library encodes a batch on all cores with the GIL released), and the requests that come
-    while it runs make the next call. So 64 clients sending one text each cost one call, not
-    64 on the event loop, and a lone request waits for no one. Results come back to the event
-    loop in one call_soon_threadsafe per call. A ValueError (a truncation length too short)
-    is the failing request's alone: that group is then encoded request by request."""
+    """Tokenizes the texts of concurrent requests together, off the event loop: while one
+    `encode_batch` call runs in a helper thread (the tokenizers library encodes a batch on all
+    cores, the GIL released), the requests that come join the next call, one per truncation
+    length. So 64 clients sending one text each cost one call, and a lone request waits for no
+    one. A ValueError (a truncation length too short) is its request's alone: that group is
+    then encoded request by request."""
 
     def __init__(self, encode_batch: Any) -> None:
         self._encode = encode_batch
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[_Job] = []
-        self._running = False
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drainer: asyncio.Future | None = None
 
     async def encode(self, texts: list[str], max_len: int | None) -> list[list[int]]:
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # (in-process tests run one event loop after another)
-            self._loop, self._pending, self._running = loop, [], False
+        drainer = self._drainer
+        if drainer is None or drainer.done() or drainer.get_loop() is not loop:
+            # (in-process tests run one event loop after another)
+            self._pending = []
+            self._drainer = asyncio.ensure_future(self._drain())
         future = loop.create_future()
         self._pending.append((texts, max_len, future))
-        if not self._running:
-            self._start(loop)
         return await future
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
-
-    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
-        jobs = [job for job in self._pending if not job[2].done()]  # cancelled: dropped
-        self._pending = []
-        if not jobs:
-            self._running = False
-            return
-        self._running = True
-
-        def done(results: list) -> None:
-            self._finish(loop, jobs, results)
-
-        def run() -> None:
-            results = self._run(jobs)
-            try:
-                loop.call_soon_threadsafe(done, results)
-            except RuntimeError:  # that loop is closed: nobody is waiting any more
-                pass
-
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self._pool.submit(run)
+    async def _drain(self) -> None:
+        while self._pending:
+            jobs = [job for job in self._pending if not job[2].done()]  # cancelled: dropped
+            self._pending = []
+            results = await asyncio.to_thread(self._run, jobs)
+            for (_, _, future), result in zip(jobs, results, strict=True):
+                if future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
 
     def _run(self, jobs: list[_Job]) -> list:
         """In the helper thread: per job, its token ids or the exception it raised."""
@@ -162,17 +143,6 @@ class CoalescingTokenizer:
                 results[i] = ids[start:start + n]
                 start += n
         return results
-
-    def _finish(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job], results: list) -> None:
-        for (_, _, future), result in zip(jobs, results, strict=True):
-            if future.done():
-                continue
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
-        if loop is self._loop:
-            self._start(loop)
 
 
 class BatcherStatsCollector(Collector):
@@ -279,10 +249,6 @@ class EmbeddingService(EncoderService):
         self.metrics_collector = BatcherStatsCollector(self.batcher)
         self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
         self.router.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
-
-    async def shutdown(self, timeout_s: float) -> None:
-        await super().shutdown(timeout_s)
-        self.tokenizer.close()
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         """POST /v1/embeddings on the server's app: FastAPI decodes and validates the body,
