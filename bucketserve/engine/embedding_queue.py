@@ -131,7 +131,10 @@ class _Bucket:
         for prio in list(self.fifos):
             fifo = self.fifos[prio]
             while fifo and not _waiting(fifo[0]):
-                self._drop(fifo.popleft())
+                item = fifo.popleft()
+                if item.queued:  # dead: it still counted
+                    item.queued = False
+                    self.live -= 1
             if fifo:
                 yield fifo[0]
             else:
@@ -153,11 +156,6 @@ class _Bucket:
         """A taken input, still in its FIFO (nothing drops it before pop_batch returns)."""
         item.queued = True
         self.live += 1
-
-    def _drop(self, item: QueuedInput) -> None:
-        if item.queued:  # dead: it still counted
-            item.queued = False
-            self.live -= 1
 
 
 def _waiting(item: QueuedInput) -> bool:
@@ -255,9 +253,7 @@ class BucketQueue:
             n = len(ids)
             length = lookup(n)
             bucket = self._buckets[length]
-            fifo = bucket.fifos.get(prio)
-            if fifo is None:
-                fifo = bucket.fifos[prio] = deque()
+            fifo = bucket.fifos.setdefault(prio, deque())
             item = QueuedInput(ids, request, index, prio, now, self._seq, n, length, deadline)
             fifo.append(item)
             if deadline < math.inf:
