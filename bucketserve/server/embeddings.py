@@ -48,6 +48,7 @@ from bucketserve.models.bert_loader import (
 )
 from bucketserve.server.errors import APIError, invalid_request, overloaded
 from bucketserve.server.generation import ClientGone, until_disconnect
+from bucketserve.server.metrics import size_buckets, slot_buckets
 from bucketserve.server.protocol import Int, _Request, check_text, worker_tag
 from bucketserve.server.request_log import RequestLog
 
@@ -162,21 +163,15 @@ class BatcherStatsCollector(Collector):
         yield batches
 
         sizes = dict(s.batch_size_counts)
-        bounds = [1 << i for i in range(b.preferred_batch_size.bit_length() + 1)]
-        cumulative = [(str(le), sum(c for n, c in sizes.items() if n <= le)) for le in bounds]
-        cumulative.append(("+Inf", sum(sizes.values())))
         yield HistogramMetricFamily("bucketserve_embedding_batch_size",
-                                    "Inputs per encoder batch.", buckets=cumulative,
+                                    "Inputs per encoder batch.",
+                                    buckets=size_buckets(sizes, b.preferred_batch_size),
                                     sum_value=sum(n * c for n, c in sizes.items()))
-
-        delays = list(s.queue_delay_counts)
-        running, cumulative = 0, []
-        for le, count in zip([*map(str, QUEUE_DELAY_BUCKETS), "+Inf"], delays, strict=True):
-            running += count
-            cumulative.append((le, running))
         yield HistogramMetricFamily("bucketserve_embedding_queue_delay_seconds",
                                     "Time an input waited in its bucket before its batch ran.",
-                                    buckets=cumulative, sum_value=s.queue_delay_sum_s)
+                                    buckets=slot_buckets(QUEUE_DELAY_BUCKETS,
+                                                         list(s.queue_delay_counts)),
+                                    sum_value=s.queue_delay_sum_s)
         for name, value, doc in (
             ("bucketserve_embedding_computed_tokens", s.computed_tokens,
              "Tokens run through the encoder, bucket padding included."),
