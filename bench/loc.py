@@ -87,7 +87,10 @@ def print_groups(rev: str | None) -> None:
         tb = tn = 0
         for f in files:
             n = code_lines(now.get("bucketserve/" + f, ""))
-            b = code_lines(before.get("bucketserve/" + f, ""))
+            # a file moved since rev is found by its name (models/embedding_tokenizer.py was in
+            # engine/ at d005733)
+            old = [src for path, src in before.items() if path.endswith("/" + f.split("/")[-1])]
+            b = code_lines(before.get("bucketserve/" + f, old[0] if len(old) == 1 else ""))
             tb, tn = tb + b, tn + n
             print(f"| {f} | {f'{b:,} | ' if rev else ''}{n:,} |")
         print(f"| **{group} total** | {f'{tb:,} | ' if rev else ''}**{tn:,}** |\n")

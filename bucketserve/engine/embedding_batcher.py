@@ -425,25 +425,16 @@ async def embed_texts(batcher: EmbeddingBatcher,
 
     from bucketserve.models.embedding_tokenizer import unpack
 
-    loop = asyncio.get_running_loop()
-    parts_in = [list(texts[i:i + chunk]) for i in range(0, len(texts), chunk)]
-    if hasattr(tokenize, "submit"):  # worker processes: every chunk submitted at once
-
-        async def one_packed(fut: concurrent.futures.Future) -> list[np.ndarray]:
-            ids = unpack(*await asyncio.wrap_future(fut))
-            return await batcher.embed(ids)
-
-        futures = [tokenize.submit(part) for part in parts_in]
-        parts = await asyncio.gather(*(one_packed(f) for f in futures))
-        return [v for part in parts for v in part]
-
+    packed = hasattr(tokenize, "submit")  # worker processes: every chunk submitted at once
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
+        futures = [tokenize.submit(part) if packed else pool.submit(tokenize, part)
+                   for part in (list(texts[i:i + chunk]) for i in range(0, len(texts), chunk))]
 
-        async def one(part: list[str]) -> list[np.ndarray]:
-            ids = await loop.run_in_executor(pool, tokenize, part)
-            return await batcher.embed(ids)
+        async def one(future: concurrent.futures.Future) -> list[np.ndarray]:
+            ids = await asyncio.wrap_future(future)
+            return await batcher.embed(unpack(*ids) if packed else ids)
 
-        parts = await asyncio.gather(*(one(part) for part in parts_in))
+        parts = await asyncio.gather(*(one(f) for f in futures))
     return [v for part in parts for v in part]
 
 

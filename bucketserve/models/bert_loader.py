@@ -33,8 +33,10 @@ _ST_MODULES = {"Transformer", "Pooling", "Normalize"}
 
 
 @dataclass
-class LoadedEmbeddingModel:
-    model: BertEmbeddingModel
+class LoadedEncoder:
+    """A BERT-family model (sentence embeddings or a cross-encoder) and its tokenizer."""
+
+    model: BertEmbeddingModel | BertCrossEncoder
     tokenizer: EmbeddingTokenizer
     config: BertConfig
     name: str
@@ -130,7 +132,7 @@ def load_embedding_model(
     name_or_path: str = DEFAULT_EMBEDDING_MODEL,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> LoadedEmbeddingModel:
+) -> LoadedEncoder:
     """Load encoder weights, tokenizer, pooling and max_seq_length from an HF directory."""
     name, model_dir = resolve_embedding_model(name_or_path)
     cfg, raw = _config_and_weights(model_dir)
@@ -146,23 +148,11 @@ def load_embedding_model(
 
     tokenizer = EmbeddingTokenizer(model_dir / "tokenizer.json",
                                    do_lower_case=bool(st_cfg.get("do_lower_case", False)))
-    return LoadedEmbeddingModel(model=model, tokenizer=tokenizer, config=cfg, name=name,
-                                max_seq_length=max_seq_length, path=model_dir)
-
-
-@dataclass
-class LoadedCrossEncoder:
-    model: BertCrossEncoder
-    tokenizer: EmbeddingTokenizer
-    config: BertConfig
-    name: str
-    max_seq_length: int
-    cls_token_id: int
-    sep_token_id: int
+    return LoadedEncoder(model, tokenizer, cfg, name, max_seq_length, model_dir)
 
 
 def load_cross_encoder(path: str | Path, device: str | torch.device = "cpu",
-                       dtype: torch.dtype = torch.float32) -> LoadedCrossEncoder:
+                       dtype: torch.dtype = torch.float32) -> LoadedEncoder:
     """A BERT cross-encoder (BertForSequenceClassification) from an HF directory:
     config.json, model.safetensors, tokenizer.json (vocabulary with [CLS] and [SEP])."""
     model_dir = Path(path)
@@ -170,8 +160,8 @@ def load_cross_encoder(path: str | Path, device: str | torch.device = "cpu",
     tokenizer = EmbeddingTokenizer(model_dir / "tokenizer.json",
                                    do_lower_case=bool(_read_json(model_dir / "tokenizer_config.json")
                                                       .get("do_lower_case", False)))
-    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
-    if cls_id is None or sep_id is None:
+    sep_id = tokenizer.token_to_id("[SEP]")
+    if tokenizer.token_to_id("[CLS]") is None or sep_id is None:
         raise ValueError(f"{model_dir}: the tokenizer has no [CLS] / [SEP] token")
     num_labels = raw["classifier.weight"].shape[0]
     model = BertCrossEncoder(cfg, sep_id, num_labels)
@@ -179,5 +169,5 @@ def load_cross_encoder(path: str | Path, device: str | torch.device = "cpu",
     for module, prefix in ((model.pooler, "bert.pooler.dense."), (model.classifier, "classifier.")):
         module.load_state_dict({p: raw[prefix + p] for p in ("weight", "bias")})
     model = model.to(device=device, dtype=dtype).eval()
-    return LoadedCrossEncoder(model, tokenizer, cfg, model_dir.name,
-                              cfg.max_position_embeddings, cls_id, sep_id)
+    return LoadedEncoder(model, tokenizer, cfg, model_dir.name, cfg.max_position_embeddings,
+                         model_dir)

@@ -42,8 +42,7 @@ from bucketserve.engine.embedding_runner import CudaGraphRunner
 from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.outputs import QueueFullError
 from bucketserve.models.bert_loader import (
-    LoadedCrossEncoder,
-    LoadedEmbeddingModel,
+    LoadedEncoder,
     load_embedding_model,
 )
 from bucketserve.server.errors import APIError, invalid_request, overloaded
@@ -196,7 +195,7 @@ class EncoderService:
     """What the embeddings and the rerank add-ons (server/app.py AddOn) share: a loaded BERT
     model behind its batcher, the router, and the batcher's errors as API errors."""
 
-    def __init__(self, loaded: LoadedEmbeddingModel | LoadedCrossEncoder,
+    def __init__(self, loaded: LoadedEncoder,
                  buckets: BucketsConfig) -> None:
         buckets = buckets.check_model(embedding_max_len=loaded.max_seq_length)
         self.loaded = loaded
@@ -232,7 +231,7 @@ class EncoderService:
 class EmbeddingService(EncoderService):
     """The /v1/embeddings add-on."""
 
-    def __init__(self, loaded: LoadedEmbeddingModel, buckets: BucketsConfig,
+    def __init__(self, loaded: LoadedEncoder, buckets: BucketsConfig,
                  faults: FaultPlan | None = None) -> None:
         """`faults`: a test's injected encoder failures (engine/faults.py)."""
         super().__init__(loaded, buckets)

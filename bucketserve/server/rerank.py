@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field
 
 from bucketserve.buckets import BucketsConfig
-from bucketserve.models.bert_loader import LoadedCrossEncoder, load_cross_encoder
+from bucketserve.models.bert_loader import LoadedEncoder, load_cross_encoder
 from bucketserve.server.embeddings import EncoderService
 from bucketserve.server.errors import invalid_request
 from bucketserve.server.protocol import Bool, Int, _Request, new_id, now
@@ -42,7 +42,7 @@ class ScoreRequest(_Request):
 class RerankService(EncoderService):
     """The rerank / score add-on: a cross-encoder behind a batcher."""
 
-    def __init__(self, loaded: LoadedCrossEncoder, buckets: BucketsConfig) -> None:
+    def __init__(self, loaded: LoadedEncoder, buckets: BucketsConfig) -> None:
         super().__init__(loaded, buckets)
         self.router.add_api_route("/v1/rerank", self.rerank, methods=["POST"])
         self.router.add_api_route("/v1/score", self.score, methods=["POST"])
