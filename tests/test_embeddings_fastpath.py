@@ -1,7 +1,7 @@
-"""The /v1/embeddings route decodes bodies as the server's other routes do: every body must
-come out as FastAPI's handling of the pydantic EmbeddingRequest makes it, the same status and
-error body for a bad one, served (not refused for its form) for a valid one. The reference is
-a FastAPI route over EmbeddingRequest that echoes the fields, in the same process."""
+"""The lean /v1/embeddings route decodes bodies with msgspec (server/embeddings.py,
+decode_request): every body must come out as FastAPI's handling of the pydantic
+EmbeddingRequest made it, the same fields for a valid one, the same status and error body for
+a bad one. The reference here is a FastAPI route over EmbeddingRequest, in the same process."""
 
 from __future__ import annotations
 
@@ -13,10 +13,13 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 
-from bucketserve.buckets import load_buckets
-from bucketserve.models.bert_loader import load_embedding_model
-from bucketserve.server.embeddings import EmbeddingRequest, EmbeddingService, _render
-from bucketserve.server.errors import install_exception_handlers
+from bucketserve.server.embeddings import (
+    EmbeddingRequest,
+    FastEmbeddingRequest,
+    _render,
+    decode_request,
+)
+from bucketserve.server.errors import APIError, install_exception_handlers
 
 FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
           "priority")
@@ -76,59 +79,42 @@ def reference_app() -> FastAPI:
     return app
 
 
-def post_all(app: FastAPI, path: str, bodies: list[tuple[bytes, str | None]],
-             service: EmbeddingService | None = None) -> list[httpx.Response]:
+def reference(bodies: list[tuple[bytes, str | None]]) -> list[httpx.Response]:
     async def go() -> list[httpx.Response]:
-        if service is not None:
-            await service.start()
-        try:
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-                out = []
-                for body, ctype in bodies:
-                    headers = {} if ctype is None else {"content-type": ctype}
-                    out.append(await client.post(path, content=body, headers=headers))
-                return out
-        finally:
-            if service is not None:
-                await service.shutdown(10.0)
+        transport = httpx.ASGITransport(app=reference_app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            out = []
+            for body, ctype in bodies:
+                headers = {} if ctype is None else {"content-type": ctype}
+                out.append(await client.post("/ref", content=body, headers=headers))
+            return out
 
     return asyncio.run(go())
 
 
-@pytest.fixture(scope="module")
-def served() -> list[httpx.Response]:
-    """Every CASE posted to the real /v1/embeddings route (MiniLM, in process)."""
-    service = EmbeddingService(load_embedding_model("all-minilm-l6-v2"), load_buckets())
-    app = FastAPI()
-    install_exception_handlers(app)
-    app.include_router(service.router)
-    return post_all(app, "/v1/embeddings", CASES, service)
-
-
-def test_the_route_decodes_every_case_as_fastapi_does(served):
-    for (body, ctype), ref, got in zip(CASES, post_all(reference_app(), "/ref", CASES), served,
-                                       strict=True):
-        if ref.status_code != 200:
-            assert got.status_code == ref.status_code, (body[:80], ctype, got.text)
-            assert got.json() == ref.json(), (body[:80], ctype)
+def test_decode_request_matches_fastapi_on_every_case():
+    fast_ok = 0
+    for (body, ctype), ref in zip(CASES, reference(CASES), strict=True):
+        try:
+            got = decode_request(body, ctype)
+        except APIError as err:
+            assert ref.status_code == err.status, (body[:80], ctype, ref.text)
+            assert ref.json() == err.body(), (body[:80], ctype)
             continue
-        fields = ref.json()["fields"]
-        if got.status_code == 200:  # served: vectors in the OpenAI shape
-            assert got.json()["object"] == "list" and got.json()["data"], body
-        else:  # decoded, then refused by the service's own checks (input null, model "m")
-            assert got.json()["error"]["param"] in ("input", "model"), (body, fields)
-    assert sum(r.status_code == 200 for r in served) >= 8  # the plain requests were served
+        assert ref.status_code == 200, (body[:80], ctype, ref.text)
+        assert repr([getattr(got, f) for f in FIELDS]) == ref.json()["fields"], body
+        fast_ok += isinstance(got, FastEmbeddingRequest)
+    assert fast_ok >= 8  # the plain requests took msgspec's path, not the fallback
 
 
-def test_surrogate_and_type_errors_name_their_field(served):
-    surrogate = served[CASES.index((b'{"input": ["fine", "\\udc00x"]}', JSON))]
-    err = surrogate.json()["error"]
-    assert surrogate.status_code == 400 and err["param"] == "input"
-    assert "surrogate" in err["message"]
-    bad_format = served[CASES.index((b'{"input": "x", "encoding_format": "int8"}', JSON))]
-    assert bad_format.status_code == 400
-    assert bad_format.json()["error"]["param"] == "encoding_format"
+def test_surrogate_and_type_errors_name_their_field():
+    with pytest.raises(APIError) as e:
+        decode_request(b'{"input": ["fine", "\\ud800"]}', JSON)
+    assert e.value.status == 400 and e.value.param == "input"
+    assert "surrogate" in e.value.message
+    with pytest.raises(APIError) as e:
+        decode_request(b'{"input": "x", "encoding_format": "int8"}', JSON)
+    assert e.value.param == "encoding_format"
 
 
 @pytest.mark.parametrize("fmt", ["float", "base64"])

@@ -1,5 +1,4 @@
-"""POST /v1/embeddings: OpenAI's embeddings API over the length-bucketed EmbeddingBatcher,
-a route of the server's FastAPI app (body validation, errors, auth and limits as for completions).
+"""POST /v1/embeddings: OpenAI's embeddings API over the length-bucketed EmbeddingBatcher.
 
 Inputs: a string, a list of strings, a list of token ids, or a list of token-id lists. Strings
 get the model's special tokens ([CLS] ... [SEP]); token ids are the complete model input.
@@ -7,27 +6,37 @@ get the model's special tokens ([CLS] ... [SEP]); token ids are the complete mod
 Vectors come back in input order, as floats or base64 of little-endian float32. The header
 `X-Request-Deadline-Ms: N` (0 < N <= the queue timeout) is this request's latency budget; it
 replaces `[embedding] latency_slo_ms` for its inputs (engine/embedding_queue.py).
+
+The route is a plain ASGI endpoint on the app, behind its middlewares (auth, body limit), not
+a FastAPI route: on the 2-core CPU a FastAPI route here served 0.86x the embeddings of this one
+(docs/architecture.md, Size). The body is decoded by msgspec into `FastEmbeddingRequest`; a
+body msgspec refuses goes through FastAPI's own steps (json, then the pydantic
+`EmbeddingRequest`), so its error body is the one FastAPI gives. Clients that go away are
+found by one watcher task per service, not a task per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import email.message
 import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Annotated, Any, Literal
 
+import anyio
 import msgspec
 import numpy as np
 import torch
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi import APIRouter
+from fastapi.exceptions import RequestValidationError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
+from starlette.types import Receive, Scope, Send
 
 from bucketserve.buckets import BucketsConfig, load_buckets
 from bucketserve.engine.embedding_batcher import (
@@ -45,8 +54,8 @@ from bucketserve.models.bert_loader import (
     LoadedEncoder,
     load_embedding_model,
 )
-from bucketserve.server.errors import APIError, invalid_request, overloaded
-from bucketserve.server.generation import ClientGone, until_disconnect
+from bucketserve.server.errors import APIError, invalid_request, overloaded, validation_message
+from bucketserve.server.generation import DISCONNECT_POLL_S, ClientGone
 from bucketserve.server.metrics import size_buckets, slot_buckets
 from bucketserve.server.protocol import Int, _Request, check_text, worker_tag
 from bucketserve.server.request_log import RequestLog
@@ -77,6 +86,71 @@ class EmbeddingRequest(_Request):
     @classmethod
     def refuse_lone_surrogates(cls, data: Any) -> Any:
         return check_text(data)
+
+
+
+class FastEmbeddingRequest(msgspec.Struct):
+    """EmbeddingRequest's fields with the same types and bounds, for msgspec's decoder (no
+    bool for an int, no float for an int, unknown fields ignored). A body it refuses is
+    decoded again by `EmbeddingRequest`, whose error is the one sent (decode_request)."""
+
+    input: Any
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    priority: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
+
+
+_decode_fast = msgspec.json.Decoder(FastEmbeddingRequest).decode
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's test of a JSON body (strict content type: a body without one is not JSON)."""
+    if not content_type:
+        return False
+    if content_type == "application/json":
+        return True
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json"))
+
+
+def decode_request(body: bytes, content_type: str | None
+                   ) -> FastEmbeddingRequest | EmbeddingRequest:
+    """The request body as an object with EmbeddingRequest's fields; APIError 400 when it is
+    not one, with the message FastAPI's handling of `EmbeddingRequest` gave."""
+    if body and _is_json(content_type):
+        try:
+            return _decode_fast(body)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            pass  # FastAPI's steps below find the error and word it
+    if not body:
+        raise _invalid(RequestValidationError([{"type": "missing", "loc": ("body",),
+                                                "msg": "Field required", "input": None}]))
+    value: Any = body
+    if _is_json(content_type):
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise _invalid(RequestValidationError([{
+                "type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+                "input": {}, "ctx": {"error": exc.msg}}])) from None
+        except Exception:  # e.g. nesting deeper than the recursion limit
+            raise APIError(400, "There was an error parsing the body", "invalid_request_error",
+                           code=400) from None
+    try:
+        return EmbeddingRequest.model_validate(value, from_attributes=True)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+        raise _invalid(RequestValidationError(errors)) from None
+
+
+def _invalid(exc: RequestValidationError) -> APIError:
+    return invalid_request(*validation_message(exc))
 
 
 _encode = msgspec.json.encode
@@ -143,6 +217,35 @@ class CoalescingTokenizer:
                 results[i] = ids[start:start + n]
                 start += n
         return results
+
+
+class _Watched:
+    __slots__ = ("receive", "since", "gone")
+
+    def __init__(self, receive: Receive, since: float) -> None:
+        self.receive = receive
+        self.since = since
+        self.gone = False
+
+
+async def _disconnected(receive: Receive) -> bool:
+    """Whether the client has gone, without waiting (as starlette's Request.is_disconnected)."""
+    message: dict = {}
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        message = await receive()  # type: ignore[assignment]
+    return message.get("type") == "http.disconnect"
+
+
+class _Endpoint:
+    """POST /v1/embeddings as a plain ASGI app (a class instance: starlette's Route calls it
+    as it is, without its request/response wrapping)."""
+
+    def __init__(self, service: EmbeddingService) -> None:
+        self.service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.service.handle(scope, receive, send)
 
 
 class BatcherStatsCollector(Collector):
@@ -242,26 +345,91 @@ class EmbeddingService(EncoderService):
         self.queue_timeout_s = buckets.queue_timeout_s
         self.metrics_collector = BatcherStatsCollector(self.batcher)
         self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
-        self.router.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
+        self._watching: dict[asyncio.Task, _Watched] = {}
+        self._watcher: asyncio.Future | None = None
+        self.router.add_route("/v1/embeddings", _Endpoint(self), methods=["POST"])
 
-    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
-        """POST /v1/embeddings on the server's app: FastAPI decodes and validates the body,
-        its error handlers answer what fails; a client that goes away drops its queued inputs
-        (until_disconnect cancels batcher.embed)."""
-        ctx = getattr(request.app.state, "ctx", None)
-        if ctx is not None and ctx.inflight.draining:
-            raise overloaded("the server is shutting down; retry later", "shutting_down")
-        request_log = getattr(getattr(ctx, "metrics", None), "request_log", None)
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One request, from its ASGI messages to its response."""
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        content_type = deadline = None
+        for name, value in scope["headers"]:
+            if name == b"content-type" and content_type is None:
+                content_type = value.decode("latin-1")
+            elif name == b"x-request-deadline-ms" and deadline is None:
+                deadline = value.decode("latin-1")
+        state = getattr(scope.get("app"), "state", None)
+        ctx = getattr(state, "ctx", None)
         try:
-            content = await until_disconnect(request, self.create(
-                body, request_log, request.headers.get(DEADLINE_HEADER)))
+            request = decode_request(body, content_type)
+            if ctx is not None and ctx.inflight.draining:
+                raise overloaded("the server is shutting down; retry later", "shutting_down")
+            request_log = getattr(getattr(ctx, "metrics", None), "request_log", None)
+            # a client gone drops its inputs that are still queued (batcher.embed)
+            content = await self._watched(self.create(request, request_log, deadline),
+                                          receive)
+        except APIError as err:
+            await err.response()(scope, receive, send)
+            return
         except ClientGone:  # nobody reads it; nginx's "client closed request"
-            return Response(status_code=499)
-        tag = worker_tag()  # --api-workers: which front end answered
-        return Response(content, media_type="application/json",
-                        headers=None if tag is None else {"x-bucketserve-worker": tag})
+            content, status = b"", 499
+        else:
+            status = 200
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(content)).encode())]
+        tag = worker_tag()
+        if tag is not None:  # --api-workers: which front end answered
+            headers.append((b"x-bucketserve-worker", tag.encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
 
-    async def create(self, body: EmbeddingRequest,
+    async def _watched(self, awaitable: Awaitable[bytes], receive: Receive) -> bytes:
+        """Awaits in this task; the service's watcher cancels it when its client goes away
+        (then ClientGone)."""
+        task = asyncio.current_task()
+        assert task is not None
+        entry = _Watched(receive, time.monotonic())
+        self._watching[task] = entry
+        watcher = self._watcher
+        if watcher is None or watcher.done() or watcher.get_loop() is not task.get_loop():
+            self._watcher = asyncio.ensure_future(self._watch_clients())
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if entry.gone:
+                task.uncancel()
+                raise ClientGone() from None
+            raise
+        finally:
+            del self._watching[task]
+
+    async def _watch_clients(self) -> None:
+        """Every DISCONNECT_POLL_S while requests are in flight: cancels those whose client
+        has gone (their queued inputs are dropped, batcher.embed)."""
+        me = asyncio.current_task()
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if not self._watching:
+                break
+            now = time.monotonic()
+            for task, entry in list(self._watching.items()):
+                if entry.gone or now - entry.since < DISCONNECT_POLL_S or task.done():
+                    continue
+                if await _disconnected(entry.receive):
+                    entry.gone = True
+                    task.cancel()
+        if self._watcher is me:
+            self._watcher = None
+
+    async def create(self, body: EmbeddingRequest | FastEmbeddingRequest,
                      request_log: RequestLog | None = None,
                      deadline_header: str | None = None) -> bytes:
         """The response body for one decoded request (APIError when it cannot be served)."""
@@ -282,7 +450,7 @@ class EmbeddingService(EncoderService):
         # a large float body takes long to serialise: keep the event loop free
         return await asyncio.to_thread(_render, *args)
 
-    def _check_fields(self, body: EmbeddingRequest) -> None:
+    def _check_fields(self, body: EmbeddingRequest | FastEmbeddingRequest) -> None:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist here; /v1/embeddings "
                            f"serves {self.model_name!r} (see GET /v1/models)",
@@ -301,7 +469,8 @@ class EmbeddingService(EncoderService):
             raise invalid_request("truncate_prompt_tokens must be >= 1, or -1 for the model's "
                                   "maximum input length", "truncate_prompt_tokens")
 
-    async def _token_ids(self, body: EmbeddingRequest) -> list[list[int]]:
+    async def _token_ids(self, body: EmbeddingRequest | FastEmbeddingRequest
+                         ) -> list[list[int]]:
         """Token ids per input (truncated when asked); refuses empty, too many, too long."""
         inputs = parse_input(body.input)
         if len(inputs) > self.max_inputs:
