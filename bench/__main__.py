@@ -34,7 +34,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "frontend_capacity.py", "frontend_sizing.py", "embeddings_frontend.py",
         "core_overhead.py", "ipc_microbench.py", "client_capacity.py")),
     ("Embeddings", (
-        "embeddings_offline.py", "embeddings_online.py", "embeddings_gpu.py",
+        "embeddings_offline.py", "embeddings_online.py", "bert_cpu_isa.py", "embeddings_gpu.py",
         "embeddings_gpu_vs_vllm.sh", "embeddings_gpu_host_phases.py", "embedding_slo_sweep.py",
         "issue15_h200.sh")),
     ("Reliability", ("overload.py", "soak.py")),

@@ -11,6 +11,7 @@ prompts every run (the seed changes per round), so no run reuses another's KV. R
 medians of output tokens/s and embedding inputs/s per revision and their ratios.
 
     .venv/bin/python bench/before_after_cpu.py --old d005733 --rounds 2 --out FILE
+        [--parts embeddings]   # only one of the two workloads (default: both)
 """
 
 from __future__ import annotations
@@ -89,8 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--embedding-requests", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--parts", default="generation,embeddings",
+                    help="comma-separated workloads to run: generation, embeddings")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    if not parts or set(parts) - {"generation", "embeddings"}:
+        ap.error(f"--parts {args.parts!r}: name generation and/or embeddings")
     work = Path(tempfile.mkdtemp(prefix="before-after-"))
     old_tree = work / "old"
     subprocess.run(["git", "worktree", "add", "--detach", "-q", str(old_tree), args.old],
@@ -103,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(proc)
             servers[name] = url
         figures: dict[str, dict[str, list[float]]] = {
-            n: {"generation": [], "embeddings": []} for n in servers}
+            n: {k: [] for k in parts} for n in servers}
         for r in range(args.rounds):
             for name in ("old", "new", "new", "old"):
-                seed = 1000 * (r + 1) + len(figures[name]["generation"])
-                for kind in ("generation", "embeddings"):
+                seed = 1000 * (r + 1) + len(figures[name][parts[0]])
+                for kind in parts:
                     value = bench(servers[name], kind, seed, args, work / f"{name}_{kind}.json")
                     figures[name][kind].append(value)
                     print(f"round {r} {name} {kind}: {value:.1f}", flush=True)

@@ -39,7 +39,7 @@ from bucketserve.engine.embedding_batcher import EmbeddingBatcher  # noqa: E402
 from bucketserve.engine.embedding_runner import FunctionRunner  # noqa: E402
 from bucketserve.models.bert_loader import (  # noqa: E402
     EmbeddingTokenizer,
-    LoadedEmbeddingModel,
+    LoadedEncoder,
     load_embedding_model,
 )
 
@@ -71,7 +71,7 @@ def sorted_batch_waste(lengths: list[int], batch_size: int) -> float:
     return 1.0 - sum(lengths) / computed
 
 
-def run_ours(loaded: LoadedEmbeddingModel, texts: list[str], batcher_kw: dict
+def run_ours(loaded: LoadedEncoder, texts: list[str], batcher_kw: dict
              ) -> tuple[float, torch.Tensor, EmbeddingBatcher]:
     async def go() -> tuple[list, EmbeddingBatcher]:
         # the served CPU path's runner (embedding_batcher.build_batcher): a batch is computed

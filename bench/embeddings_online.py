@@ -19,6 +19,11 @@ sizes come from its /metrics, counted over the measured rounds only.
     HF_HUB_OFFLINE=1 .venv/bin/python bench/embeddings_online.py [--n 600] [--clients 16]
         [--repeats 2] [--buckets FILE] [--boundaries 16,32,...] [--max-merged-padding F]
         [--baselines st-per-request,ours-per-request] [--other-bucketserve before=CHECKOUT]
+        [--isa avx2]
+
+--isa avx2 runs every server (bucketserve and the baselines) with PyTorch's, oneDNN's and MKL's
+kernels held to AVX2 (ISA_ENV), as on a machine without AVX-512; the JSON records the setting,
+the variables and the capability PyTorch reports under them.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ import httpx  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
 MODEL = "all-minilm-l6-v2"
+# --isa avx2: the environment of every server this script starts
+ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 STARTUP_LIMIT_S = 900.0
 # The LLM the server also loads gets a tiny KV pool: the bench only exercises embeddings.
 SERVER_TOML = "[kv_cache]\ncpu_memory_gib = 0.1\n"
@@ -209,6 +217,8 @@ def main() -> None:
     p.add_argument("--other-bucketserve", action="append", default=[], metavar="NAME=CHECKOUT",
                    help="also serve bucketserve from this checkout (e.g. the code before a "
                         "change), measured in the same rounds as a baseline named NAME")
+    p.add_argument("--isa", choices=["native", *ISA_ENV], default="native",
+                   help="hold every server's CPU kernels to this instruction set (ISA_ENV)")
     p.add_argument("--json", default=None)
     p.add_argument("--serve-baseline", default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
@@ -218,6 +228,11 @@ def main() -> None:
         return
 
     load_at_start = os.getloadavg()  # (1, 5, 15 min) before this script's servers start
+    os.environ.update(ISA_ENV.get(args.isa, {}))  # every server's environment copies ours
+    capability = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    print(f"isa {args.isa}: PyTorch's CPU capability in the servers' environment: {capability}")
     from embeddings_offline import make_corpus
 
     from bucketserve.models.bert_loader import load_embedding_model
@@ -291,12 +306,15 @@ def main() -> None:
     batches = delta("bucketserve_embedding_batch_size_count")
     result: dict = {"bench": "embeddings_online", "n_texts": len(texts), "clients": args.clients,
                     "boundaries": args.boundaries, "max_merged_padding": args.max_merged_padding,
-                    "load_average_at_start": load_at_start,
+                    "load_average_at_start": load_at_start, "isa": args.isa,
+                    "isa_env": ISA_ENV.get(args.isa, {}), "aten_cpu_capability": capability,
                     "texts_per_s": {}, "p50_latency_s": {}, "p99_latency_s": {}}
     for name, secs in rounds.items():
         result["texts_per_s"][name] = len(texts) / min(secs)
         result["p50_latency_s"][name] = pct(lat[name], 0.5)
         result["p99_latency_s"][name] = pct(lat[name], 0.99)
+    result["median_texts_per_s"] = {name: len(texts) / statistics.median(secs)
+                                    for name, secs in rounds.items()}
     ours = result["texts_per_s"]["bucketserve"]
     result["ratios"] = {f"bucketserve/{b}": ours / v
                         for b, v in result["texts_per_s"].items() if b != "bucketserve"}

@@ -32,10 +32,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from bucketserve.buckets import BucketsConfig, EmbeddingConfig
+from bucketserve.buckets import BucketsConfig
 from bucketserve.engine.embedding_cost import CostTable
-from bucketserve.engine.embedding_queue import Batch, BucketQueue, finish_by
-from bucketserve.engine.embedding_runner import FunctionRunner, Ticket
+from bucketserve.engine.embedding_queue import Batch, BucketQueue, batch_capacity, finish_by
+from bucketserve.engine.embedding_runner import CudaGraphRunner, EncodeFn, FunctionRunner, Ticket
 from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.outputs import QueueFullError
 
@@ -44,8 +44,6 @@ log = logging.getLogger("bucketserve.embeddings")
 # Upper bounds of the queue-delay histogram (seconds); the last bucket is +Inf.
 QUEUE_DELAY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                        10.0, 30.0, 60.0, 300.0, 600.0)
-
-EncodeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Start-up measurement of the cost table (measure_costs): at most this long, these many
 # bucket lengths (spread over the boundaries) and batch sizes (1, a quarter and all of cap(L)).
@@ -125,14 +123,10 @@ class _Request:
         self.remaining = n
         self.done = False  # finished, failed or cancelled: its queued inputs are skipped
 
-    def resolve(self, result: list[np.ndarray] | BaseException) -> None:
-        """Resolves the future on its own event loop (called from the worker thread)."""
-        resolve_all([(self, result)])
-
 
 def resolve_all(done: list[tuple[_Request, list[np.ndarray] | BaseException]]) -> None:
-    """Resolves these requests' futures: one call_soon_threadsafe (one wake-up of the event
-    loop) per loop, not per request."""
+    """Resolves these requests' futures (from the worker thread): one call_soon_threadsafe,
+    one wake-up of the event loop, per loop, not per request."""
     loops: dict[asyncio.AbstractEventLoop, list] = {}
     for request, result in done:
         loops.setdefault(request.loop, []).append((request.future, result))
@@ -146,8 +140,8 @@ def resolve_all(done: list[tuple[_Request, list[np.ndarray] | BaseException]]) -
 def _resolve_many(items: list[tuple[asyncio.Future, list[np.ndarray] | BaseException]]) -> None:
     for future, result in items:
         if future.done():  # the awaiting task was cancelled
-            continue
-        if isinstance(result, BaseException):
+            pass
+        elif isinstance(result, BaseException):
             future.set_exception(result)
         else:
             future.set_result(result)
@@ -201,15 +195,6 @@ class EmbeddingBatcher:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-
-    @classmethod
-    def from_config(cls, encode: EncodeFn | Runner, cfg: EmbeddingConfig,
-                    queue_timeout_s: float, max_waiting: int, policy: str,
-                    pad_token_id: int, device_type: str = "cpu") -> EmbeddingBatcher:
-        return cls(encode, cfg.boundaries, cfg.batch_size(device_type),
-                   cfg.batch_tokens(device_type), cfg.max_queue_delay_ms, queue_timeout_s,
-                   max_waiting, policy, pad_token_id, cfg.merged_padding(device_type),
-                   cfg.latency_slo_ms)
 
     @property
     def cost(self) -> CostTable:
@@ -321,7 +306,7 @@ class EmbeddingBatcher:
             if resolved is not None:
                 resolved.append((request, result))
             else:
-                request.resolve(result)
+                resolve_all([(request, result)])
 
     def _submit(self, request: _Request, token_id_lists: Sequence[Sequence[int]],
                 priority: int, deadline: float | None = None) -> None:
@@ -440,25 +425,16 @@ async def embed_texts(batcher: EmbeddingBatcher,
 
     from bucketserve.models.embedding_tokenizer import unpack
 
-    loop = asyncio.get_running_loop()
-    parts_in = [list(texts[i:i + chunk]) for i in range(0, len(texts), chunk)]
-    if hasattr(tokenize, "submit"):  # worker processes: every chunk submitted at once
-
-        async def one_packed(fut: concurrent.futures.Future) -> list[np.ndarray]:
-            ids = unpack(*await asyncio.wrap_future(fut))
-            return await batcher.embed(ids)
-
-        futures = [tokenize.submit(part) for part in parts_in]
-        parts = await asyncio.gather(*(one_packed(f) for f in futures))
-        return [v for part in parts for v in part]
-
+    packed = hasattr(tokenize, "submit")  # worker processes: every chunk submitted at once
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
+        futures = [tokenize.submit(part) if packed else pool.submit(tokenize, part)
+                   for part in (list(texts[i:i + chunk]) for i in range(0, len(texts), chunk))]
 
-        async def one(part: list[str]) -> list[np.ndarray]:
-            ids = await loop.run_in_executor(pool, tokenize, part)
-            return await batcher.embed(ids)
+        async def one(future: concurrent.futures.Future) -> list[np.ndarray]:
+            ids = await asyncio.wrap_future(future)
+            return await batcher.embed(unpack(*ids) if packed else ids)
 
-        parts = await asyncio.gather(*(one(part) for part in parts_in))
+        parts = await asyncio.gather(*(one(f) for f in futures))
     return [v for part in parts for v in part]
 
 
@@ -468,25 +444,22 @@ def build_batcher(model: torch.nn.Module, pad_token_id: int, buckets: BucketsCon
     CUDA a CudaGraphRunner whose graphs are captured here (start-up; logged), with the fused
     kernels `[embedding] fused_kernels` asks for, else the model called directly. `buckets`
     must already fit the model (check_model)."""
-    from bucketserve.engine.embedding_queue import batch_capacity
-    from bucketserve.engine.embedding_runner import CudaGraphRunner
-
     device = next(model.parameters()).device
-    emb = buckets.embedding
+    emb, kind = buckets.embedding, device.type
+    size, tokens = emb.batch_size(kind), emb.batch_tokens(kind)
     runner: Runner
-    if device.type == "cuda":
+    if kind == "cuda":
         if emb.fused_kernels != "off" and hasattr(model, "use_fused_kernels"):
             model.use_fused_kernels(gelu_epilogue=True if emb.fused_kernels == "tanh-gelu" else None)
-        size, tokens = emb.batch_size("cuda"), emb.batch_tokens("cuda")
         runner = CudaGraphRunner(model, emb.spec, emb.batch_sizes,
                                  lambda length: batch_capacity(length, size, tokens),
                                  pad_token_id, device)
         runner.capture()
     else:
         runner = FunctionRunner(model, pad_token_id, trim=True)  # eager: no bucket padding
-    batcher = EmbeddingBatcher.from_config(
-        runner, emb, queue_timeout_s=buckets.queue_timeout_s, max_waiting=buckets.max_waiting,
-        policy=buckets.policy, pad_token_id=pad_token_id, device_type=device.type)
+    batcher = EmbeddingBatcher(runner, emb.boundaries, size, tokens, emb.max_queue_delay_ms,
+                               buckets.queue_timeout_s, buckets.max_waiting, buckets.policy,
+                               pad_token_id, emb.merged_padding(kind), emb.latency_slo_ms)
     if emb.latency_slo_ms:  # deadlines plan with the table from the first request on
         with torch.inference_mode():
             batcher.measure_costs()

@@ -44,6 +44,8 @@ import itertools
 import math
 from collections import deque
 
+import numpy as np
+
 # Coefficient subsets tried for the fit, all four first; the best fit whose coefficients are
 # all >= 0 wins (a negative fixed cost or attention term predicts nonsense off the grid).
 NUM_TERMS = 4
@@ -57,23 +59,6 @@ REFIT_EVERY = 16
 def _features(length: int, rows: int) -> tuple[float, ...]:
     tokens = float(rows * length)
     return 1.0, tokens, tokens * length, tokens * tokens
-
-
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting (n <= 3); None when singular."""
-    n = len(v)
-    a = [row[:] + [v[i]] for i, row in enumerate(m)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[piv][col]) < 1e-300:
-            return None
-        a[col], a[piv] = a[piv], a[col]
-        for r in range(n):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                for c in range(col, n + 1):
-                    a[r][c] -= f * a[col][c]
-    return [a[i][n] / a[i][i] for i in range(n)]
 
 
 class CostTable:
@@ -182,31 +167,26 @@ class CostTable:
 
     @staticmethod
     def _fit(cells: dict[tuple[int, int], float]) -> tuple[float, ...] | None:
-        """Weighted least squares of the cells on the chosen terms, non-negative (_TERMS)."""
-        points = [(_features(*key), value) for key, value in cells.items() if value > 0]
-        # columns scaled to at most 1: token counts squared would swamp the constant term
-        scale = [max(x[i] for x, _ in points) or 1.0 for i in range(NUM_TERMS)] if points else []
-        points = [(tuple(xi / si for xi, si in zip(x, scale, strict=True)), y) for x, y in points]
+        """Least squares of the cells, relative error weighted, over each subset of the terms
+        (_TERMS); the best fit with every coefficient >= 0, or None."""
+        keys = [k for k, v in cells.items() if v > 0]
+        if not keys:
+            return None
+        x = np.array([_features(*k) for k in keys])
+        y = np.array([cells[k] for k in keys])
+        scale = x.max(axis=0)  # columns to at most 1: tokens squared would swamp the constant
+        x = x / scale / y[:, None]  # each row divided by its value: relative errors
         best: tuple[float, tuple[float, ...]] | None = None
         for terms in _TERMS:
-            if len(points) < len(terms):
+            if len(keys) < len(terms):
                 continue
-            m = [[0.0] * len(terms) for _ in terms]
-            v = [0.0] * len(terms)
-            for x, y in points:
-                w = 1.0 / (y * y)
-                for i, ti in enumerate(terms):
-                    v[i] += w * x[ti] * y
-                    for j, tj in enumerate(terms):
-                        m[i][j] += w * x[ti] * x[tj]
-            sol = _solve(m, v)
-            if sol is None or min(sol) < 0:
+            cols = list(terms)
+            sol, _, rank, _ = np.linalg.lstsq(x[:, cols], np.ones(len(keys)), rcond=None)
+            if rank < len(cols) or sol.min() < 0:  # collinear terms, or a negative one
                 continue
-            coef = [0.0] * NUM_TERMS
-            for t, c in zip(terms, sol, strict=True):
-                coef[t] = c
-            err = sum((sum(c * xi for c, xi in zip(coef, x, strict=True)) / y - 1.0) ** 2
-                      for x, y in points)
+            coef = np.zeros(NUM_TERMS)
+            coef[cols] = sol
+            err = float(((x @ coef - 1.0) ** 2).sum())
             if best is None or err < best[0] - 1e-12:
-                best = (err, tuple(c / sc for c, sc in zip(coef, scale, strict=True)))
+                best = (err, tuple((coef / scale).tolist()))
         return None if best is None else best[1]

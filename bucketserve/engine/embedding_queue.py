@@ -1,120 +1,48 @@
 """The embedding batcher's queue: which bucket runs next, merging, deadlines. No threads, no
-clock: every method takes `now`, so its tests step time by hand instead of sleeping.
+clock: every method takes `now`, so the tests step time by hand. EmbeddingBatcher's worker calls
+`pop_batch` / `next_wake` under its lock. docs/architecture.md explains the design and its
+measurements; the numbered points below are what the code refers to.
 
-Queueing model (EmbeddingBatcher's worker calls `pop_batch` / `next_wake` under its lock):
+1. An input waits in the bucket of its length (the smallest boundary >= len(ids)), in one FIFO
+   per priority value (policy "fcfs": one FIFO).
+2. A bucket of length L takes at most cap(L) = min(preferred_batch_size, max_batch_tokens // L)
+   inputs. It is ready when full, or when its wait is over: the fixed delay (latency_slo_s ==
+   0: its oldest input waited max_queue_delay_s) or its latest start (deadlines, point 7). A
+   request's own deadline (header) can only make its bucket run before the fixed delay.
+3. Among ready buckets: lowest priority value, then earliest deadline, then earliest arrival.
+4. Merging (max_merged_padding > 0): a batch under cap(L) is topped up with other buckets'
+   inputs (longest buckets first) padded to the largest length T among them, while the waste
+   1 - sum(lengths) / (B * T) stays <= max_merged_padding and B <= cap(T); the T giving the
+   most inputs wins (then the least waste, then the shorter T).
+5. Compiled sizes (graph_sizes): a batch of n runs at the smallest size >= n; when the padding
+   rows would push the waste over max_merged_padding it is cut to the largest size <= n and
+   the cut inputs wait again. Above the largest size it runs eagerly at its own size.
+6. Inputs of finished requests are skipped at the heads of FIFOs or swept by `mark_dead`;
+   `expired(now)` names the requests with an input older than queue_timeout_s.
+7. Deadlines: arrival + budget x (1 - SLO_RESERVE). Each bucket with deadlines is a job: its
+   earliest deadline and the predicted cost of what it holds (cost table, embedding_cost.py)
+   x (1 + COST_MARGIN) + WAKE_SLACK_S. In deadline order on one worker the latest start is
+   start_k = min(d_k, start_{k+1}) - c_k, less the longest recent batch and the guard
+   (point 8). A bucket waits at all only where a full batch costs per input at most
+   1 / WAIT_GAIN of what it holds now, and only while the worker is busy (busy_share >=
+   WAIT_MIN_BUSY, decayed over BUSY_TAU_S); a busy worker gone idle waits at most the longest
+   recent batch for company.
+8. Guard (`batch_done`): a batch that ended s late raises it by s; an on-time one lowers it by
+   GUARD_DECAY x min(slack, guard); it never exceeds the largest budget seen.
+9. Overload: some input can no longer be on time and the queued work exceeds the largest
+   budget. Then the fullest ready bucket runs first (min(live, target) / target), except that
+   an input older than STARVE_SHARE x queue_timeout_s goes first.
+10. Under overload a batch takes target(L) <= cap(L) inputs: the largest candidate size (graph
+   sizes, or powers of two, below cap(L), and cap(L)) whose predicted cost per input is within
+   TARGET_TOLERANCE of the least.
 
-1. Each input waits on its own in the bucket of its length: the smallest boundary >= len(ids).
-   Within a bucket, inputs wait in one FIFO per priority value (policy "fcfs": all share one).
-2. A bucket of length L holds at most cap(L) = min(preferred_batch_size, max_batch_tokens // L)
-   inputs per batch (under overload with deadlines target(L) <= cap(L), point 10). It is
-   *ready* when it holds cap(L) live inputs, or when its wait is over:
-   - fixed delay (latency_slo_s == 0): its oldest input has waited max_queue_delay_s;
-   - deadlines (point 7): its predicted batch can no longer wait without missing a deadline.
-   With latency_slo_s > 0 every input has a deadline and max_queue_delay_s is not used; with
-   latency_slo_s == 0 only inputs given one (a request's deadline header) have a deadline, and
-   it can only make their bucket run earlier than the fixed delay.
-3. Among ready buckets, the one holding the best input runs: lowest priority value, then the
-   earliest deadline, then the earliest arrival. It gives up to cap(L) inputs in priority then
-   arrival order: one [B, L] batch. Under overload (point 9) the fullest ready bucket runs
-   instead (lowest priority value still first).
-4. Merging (max_merged_padding > 0): a batch with fewer than cap(L) inputs is topped up with
-   queued inputs of other buckets (ready or not), padded to the largest bucket length among
-   them, so the batch still has a bucket shape. For each target length T >= L that holds
-   inputs, the candidates are the inputs of bucket T, then of the next smaller bucket, and so
-   on (longest buckets first; within a bucket, priority then arrival): the first k of them
-   join, with k the largest such that the batch's waste 1 - sum(lengths) / (B * T) stays
-   <= max_merged_padding and B <= cap(T). The target giving the most inputs wins (then the
-   least waste, then the shorter T). A batch its own bucket fills is never topped up. The
-   inputs taken are heads of their FIFOs, so merging costs O(cap) per target, not a sort of
-   the queue.
-5. Compiled shapes (graph_sizes given: the CUDA graph batch sizes): a batch of n inputs runs
-   at the smallest size >= n, the extra rows computed for nothing. When those rows would make
-   the batch's waste 1 - sum(lengths) / (size * L) exceed max_merged_padding, the batch is cut
-   to the largest size <= n instead and the inputs cut off go back to their queues (they run
-   next, at their own exact size or with later arrivals). Above the largest size a batch runs
-   eagerly at its own size: no padding rows.
-6. Inputs of requests that finished early (cancelled, failed, timed out) are skipped when they
-   reach the head of a FIFO, or swept out of the buckets `mark_dead` names. `expired(now)`
-   hands back the requests whose oldest input waited longer than queue_timeout_s.
-7. Deadlines (the feedback loop). An input's deadline is when its batch must have finished:
-   arrival + latency_slo_s x (1 - SLO_RESERVE) unless its request named its own budget; the
-   reserve is left for the path outside the batch (tokenizing, the response, the network).
-   Each bucket holding inputs with deadlines is one job: its earliest deadline d, and the
-   predicted cost c of running what it holds now (the cost table, embedding_cost.py: ceil(n /
-   cap) batches, the last at its padded size) x (1 + COST_MARGIN) + WAKE_SLACK_S. Jobs run
-   one after another on one worker, so in earliest-deadline order the latest start of job k is
-       start_k = min(d_k - c_k, start_{k+1} - c_k)      (backward from the last job)
-   less a blocking allowance, the longest recent batch (a batch started for another bucket
-   meanwhile, e.g. one that filled, runs to its end first), less the guard below. A bucket
-   is ready once now >= its start, and at once when waiting would not pay: when the cost
-   table says a full batch costs per input no less than 1 / WAIT_GAIN of what its n inputs
-   cost per input now (cost(L, cap) / cap x WAIT_GAIN > cost(L, n) / n: a CPU, where a
-   forward costs about in proportion to its tokens, for long inputs). Waiting then only
-   spends the budget that host stalls need. While a bucket waits, more inputs join it; its
-   cost grows, its start moves earlier, and a full bucket runs at once. Merging (point 4) and
-   graph sizes (point 5) then shape the batch as without deadlines. A deadline that cannot be
-   met any more only makes its bucket ready; nothing is refused for it.
-   Nothing waits either while the worker is mostly idle: below WAIT_MIN_BUSY of its recent
-   time spent in batches (an exponentially decayed share over about BUSY_TAU_S, `busy_share`),
-   every bucket with deadlines is ready at once. An idle worker gains nothing from a fuller
-   batch (throughput is the offered rate either way) and the wait is pure latency; inputs
-   pile up by themselves while a batch runs, so batches grow with the load. Waiting pays only
-   near saturation, where a fuller batch's lower cost per input is what keeps up (on the
-   H200, where a batch costs about what one input does, the loop without this rule waited
-   to its 50 ms SLO at every rate and fell behind at 2,000 texts/s, while a fixed delay of 0
-   ran at p99 3-41 ms: bench/issue15_h200.sh). And a busy worker that has gone idle (no
-   batch popped and not yet done) lets a bucket wait for company at most the longest recent
-   batch after the last one ended: company that has not come within about a batch's time is
-   not on its way (the end of a burst), and a wait to the planned start would be latency
-   bought with nothing (on the H200 the last inputs of a 2,000 texts/s run waited up to ~40
-   ms for it, 2% of the run's throughput).
-8. The feedback (`batch_done`, called with each batch's measured time): the batch's shape
-   updates the cost table, and its earliest deadline against its end updates the guard: a
-   batch that ended s seconds late raises the guard by s at once; one that ended on time
-   lowers it by GUARD_DECAY x min(its slack, the guard). Misses (cost noise on a shared host,
-   a late wake-up, inputs merged into a batch, work that arrived while a bucket waited) so
-   make every bucket start earlier, and on-time batches slowly give the time back; the guard
-   never exceeds the largest budget seen (then nothing waits: the fixed delay 0). Batches
-   late under overload (point 9) raise it too: on a shared host a backlog is mostly a stall,
-   and the guard it leaves makes the next stall cost fewer misses (a variant that ignored
-   batches already lost when they started missed the SLO at 15 and 30 texts/s where fixed
-   delays met it, bench/embedding_slo_sweep.py on the 2-core CPU). While it is high every
-   bucket is ready at once, which under overload only widens the choice of point 9.
-9. Overload: a queued input is *lost* (its bucket's next batch, run now, would end after its
-   deadline: nothing the queue does can make it on time any more) and the queued work, at the
-   cost table's prediction, exceeds the largest budget (the SLO): a backlog, not one late
-   input. Then waiting one more batch only adds that batch's run time to a lost input's
-   lateness, and the choice among ready buckets (lost buckets are always ready, so the worker
-   never idles) maximises throughput: the fullest bucket, min(live, cap(L)) / cap(L), runs
-   first; then the rule of point 3 (priority, deadline, arrival) breaks ties. Full batches
-   keep running while the backlog lasts and partial buckets fill meanwhile, where oldest-first
-   would dispatch the small batches of the buckets its oldest inputs happen to sit in.
-   Starvation bound: an input that has waited longer than STARVE_SHARE x queue_timeout_s puts
-   its bucket ahead of every fuller one (oldest first), so fullest-first never lets an input
-   time out that oldest-first would have served. Without a backlog (a late input in a short
-   queue: a burst, a slow batch) point 3 (earliest deadline first) stands: the inputs that can
-   still be on time are, and the late one goes first among its peers.
-
-10. Batch size under overload. A batch takes up to cap(L) inputs (point 2), except with
-   deadlines under overload (point 9), where throughput is what counts: then it takes up to
-   target(L) <= cap(L) (merging's room counts against it too): of the candidate sizes (the
-   graph sizes below cap(L) on CUDA, the powers of two below it otherwise, and cap(L)), the
-   largest whose predicted cost per input (the cost table, at the padded size) is within
-   TARGET_TOLERANCE of the least. Where a batch's cost per input falls with its size (a GPU;
-   short inputs on a CPU) that is cap(L); where it rises again (long inputs on a 2-core Xeon:
-   an L=184 MiniLM batch cost 16.0 ms an input at 4-8 rows and 19.1 at 32, activations out of
-   cache) the cheaper size drains the backlog faster. Outside overload the smaller batches
-   did not pay (2-core Xeon at 100 texts/s, its capacity: 86 vs 92 texts/s with target(L)
-   everywhere, the extra batches' own costs), so readiness, planning and waiting_pays count
-   in cap(L) as before.
-
-Per batch the work is O(buckets x priorities + B), not O(inputs queued): an offline request
-of 20,000 inputs is drained in ~600 batches without rescanning the queue each time.
+Per batch the work is O(buckets x priorities + B), not O(inputs queued).
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -186,29 +114,52 @@ class Batch:
 
 @dataclass
 class _Bucket:
-    fifos: dict[int, deque[QueuedInput]] = field(default_factory=dict)  # priority -> FIFO
-    live: int = 0  # inputs queued here whose request is not done (skipped ones excluded)
-    # (deadline, seq, input) of inputs with a finite deadline; entries of inputs taken or
-    # dead are dropped lazily when they reach the top
+    # priority -> FIFO; taken (not queued) and dead inputs leave lazily from the front
+    fifos: dict[int, deque[QueuedInput]] = field(default_factory=dict)
+    live: int = 0  # queued inputs (dead ones included until they are dropped)
+    # (deadline, seq, input) of inputs with a finite deadline, dropped lazily as above
     deadlines: list[tuple[float, int, QueuedInput]] = field(default_factory=list)
 
     def earliest_deadline(self) -> float:
         heap = self.deadlines
-        while heap and (not heap[0][2].queued or heap[0][2].request.done):
+        while heap and not _waiting(heap[0][2]):
             heapq.heappop(heap)
         return heap[0][0] if heap else math.inf
 
     def heads(self) -> Iterator[QueuedInput]:
-        """The live head of every non-empty FIFO (dead heads are dropped on the way)."""
+        """The first waiting input of every non-empty FIFO (others at the front dropped)."""
         for prio in list(self.fifos):
             fifo = self.fifos[prio]
-            while fifo and fifo[0].request.done:
-                fifo.popleft()
-                self.live -= 1
+            while fifo and not _waiting(fifo[0]):
+                item = fifo.popleft()
+                if item.queued:  # dead: it still counted
+                    item.queued = False
+                    self.live -= 1
             if fifo:
                 yield fifo[0]
             else:
                 del self.fifos[prio]
+
+    def in_order(self) -> Iterator[QueuedInput]:
+        """Waiting inputs, best first (priority, then arrival)."""
+        for prio in sorted(self.fifos):
+            yield from filter(_waiting, self.fifos[prio])
+
+    def take(self, items: Iterable[QueuedInput]) -> list[QueuedInput]:
+        items = list(items)
+        for item in items:
+            item.queued = False
+        self.live -= len(items)
+        return items
+
+    def put_back(self, item: QueuedInput) -> None:
+        """A taken input, still in its FIFO (nothing drops it before pop_batch returns)."""
+        item.queued = True
+        self.live += 1
+
+
+def _waiting(item: QueuedInput) -> bool:
+    return item.queued and not item.request.done
 
 
 class BucketQueue:
@@ -302,9 +253,7 @@ class BucketQueue:
             n = len(ids)
             length = lookup(n)
             bucket = self._buckets[length]
-            fifo = bucket.fifos.get(prio)
-            if fifo is None:
-                fifo = bucket.fifos[prio] = deque()
+            fifo = bucket.fifos.setdefault(prio, deque())
             item = QueuedInput(ids, request, index, prio, now, self._seq, n, length, deadline)
             fifo.append(item)
             if deadline < math.inf:
@@ -319,39 +268,28 @@ class BucketQueue:
         """A request queued in these buckets finished early: sweep its inputs out of them."""
         for length in set(bucket_lengths):
             bucket = self._buckets[length]
-            for prio, fifo in list(bucket.fifos.items()):
-                kept = deque(item for item in fifo if not item.request.done)
-                if kept:
-                    bucket.fifos[prio] = kept
-                else:
-                    del bucket.fifos[prio]
+            bucket.fifos = {p: kept for p, fifo in bucket.fifos.items()
+                            if (kept := deque(filter(_waiting, fifo)))}
             bucket.live = sum(map(len, bucket.fifos.values()))
-            bucket.deadlines = [e for e in bucket.deadlines if not e[2].request.done]
+            bucket.deadlines = [e for e in bucket.deadlines if _waiting(e[2])]
             heapq.heapify(bucket.deadlines)
 
     def drain(self) -> list[QueuedInput]:
         """Remove and return every queued input (shutdown)."""
-        out = [item for b in self._buckets.values() for fifo in b.fifos.values() for item in fifo]
+        out = [item for b in self._buckets.values() for item in b.take(b.in_order())]
         for b in self._buckets.values():
             b.fifos.clear()
             b.deadlines.clear()
-            b.live = 0
-        for item in out:
-            item.queued = False
         return out
 
     def expired(self, now: float) -> list[Any]:
         """Requests (distinct, live) with an input queued longer than queue_timeout_s."""
-        out: dict[int, Any] = {}
-        for bucket in self._buckets.values():
-            for head in bucket.heads():
-                if now - head.arrival <= self.queue_timeout_s:
-                    continue
-                for fifo in bucket.fifos.values():
-                    for item in fifo:
-                        if now - item.arrival > self.queue_timeout_s and not item.request.done:
-                            out[id(item.request)] = item.request
-        return list(out.values())
+        def late(item: QueuedInput) -> bool:
+            return now - item.arrival > self.queue_timeout_s
+
+        return list({id(item.request): item.request for bucket in self._buckets.values()
+                     if any(map(late, bucket.heads()))
+                     for item in bucket.in_order() if late(item)}.values())
 
     # ------------------------------------------------------------------ choosing a batch
     def _oldest(self, bucket: _Bucket) -> float | None:
@@ -545,19 +483,8 @@ class BucketQueue:
         if down is None:
             return
         kept, back = batch.items[:down], batch.items[down:]
-        for item in back:
-            bucket = self._buckets[item.bucket]
-            fifo = bucket.fifos.get(item.priority)
-            if fifo is None:
-                fifo = bucket.fifos[item.priority] = deque()
-            i = 0  # back in arrival order (these are mostly at the front)
-            while i < len(fifo) and fifo[i].seq < item.seq:
-                i += 1
-            fifo.insert(i, item)
-            bucket.live += 1
-            item.queued = True
-            if item.deadline < math.inf:
-                heapq.heappush(bucket.deadlines, (item.deadline, item.seq, item))
+        for item in back:  # they run next, in their own order
+            self._buckets[item.bucket].put_back(item)
         batch.items = kept
         batch.length = max(item.bucket for item in kept)
         batch.merged = any(item.bucket != batch.length for item in kept)
@@ -565,28 +492,7 @@ class BucketQueue:
     def _take(self, length: int, n: int) -> list[QueuedInput]:
         """Up to n live inputs of one bucket, best first (priority, then arrival)."""
         bucket = self._buckets[length]
-        taken: list[QueuedInput] = []
-        for prio in sorted(bucket.fifos):
-            fifo = bucket.fifos[prio]
-            while fifo and len(taken) < n:
-                item = fifo.popleft()
-                item.queued = False
-                bucket.live -= 1
-                if not item.request.done:
-                    taken.append(item)
-            if not fifo:
-                del bucket.fifos[prio]
-            if len(taken) == n:
-                break
-        return taken
-
-    def _live_in_order(self, length: int) -> Iterator[QueuedInput]:
-        """Live inputs of one bucket, best first (priority, then arrival)."""
-        bucket = self._buckets[length]
-        for prio in sorted(bucket.fifos):
-            for item in bucket.fifos[prio]:
-                if not item.request.done:
-                    yield item
+        return bucket.take(itertools.islice(bucket.in_order(), n))
 
     def _merge(self, batch: Batch, overload: bool = False) -> None:
         """Tops the batch up with other buckets' inputs within the padding bound (point 4)."""
@@ -617,7 +523,7 @@ class BucketQueue:
                 if b == first and t == first:
                     continue  # the batch's own bucket: already taken
                 below = bounds[b] < (1.0 - bound) * T
-                for item in self._live_in_order(bounds[b]):
+                for item in self._buckets[bounds[b]].in_order():
                     taken.append(item)
                     total += item.length
                     waste = 1.0 - total / ((n + len(taken)) * T)
@@ -636,28 +542,7 @@ class BucketQueue:
             return
         length = bounds[best[2]]
         for item in best_take:
-            items.append(item)
-        self._remove(best_take)
+            self._buckets[item.bucket].take([item])
+        items += best_take
         batch.length = length
         batch.merged = any(item.bucket != length for item in items)
-
-    def _remove(self, taken: list[QueuedInput]) -> None:
-        """Takes these queued inputs out of their buckets. _merge takes the live heads of
-        FIFOs in order, so they come off the front (dead inputs between them too)."""
-        for item in taken:
-            item.queued = False
-        wanted = {id(item) for item in taken}
-        for length in {item.bucket for item in taken}:
-            bucket = self._buckets[length]
-            for prio in list(bucket.fifos):
-                fifo = bucket.fifos[prio]
-                while fifo and wanted and (id(fifo[0]) in wanted or fifo[0].request.done):
-                    wanted.discard(id(fifo.popleft()))
-                    bucket.live -= 1
-                if wanted and any(id(item) in wanted for item in fifo):  # not at the front
-                    kept = deque(item for item in fifo if id(item) not in wanted)
-                    bucket.live -= len(fifo) - len(kept)
-                    wanted -= {id(item) for item in fifo}
-                    bucket.fifos[prio] = fifo = kept
-                if not fifo:
-                    del bucket.fifos[prio]

@@ -239,7 +239,36 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: tuple[str, ...]) -> to
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
-class BertEmbeddingModel(nn.Module):
+class _EncoderModel(nn.Module):
+    """A BertEncoder with a head: rows of token ids in, one float32 row per input out."""
+
+    config: BertConfig
+    encoder: BertEncoder
+
+    def token_types(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def head(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, L] long, attention_mask [B, L] bool -> [B, D] float32."""
+        hidden = self.encoder(input_ids, attention_mask, self.token_types(input_ids))
+        return self.head(hidden, attention_mask)
+
+    @torch.inference_mode()
+    def embed_lengths(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, L] (int32 or long), lengths [B] (each 1..L; row b holds lengths[b]
+        real tokens then padding) -> [B, D] float32. Never syncs with the host, so one CUDA
+        graph per (B, L) can capture it; padding rows of a graph are rows of length 1."""
+        ids = input_ids.long()
+        mask = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]
+        key_mask = additive_key_mask(mask, self.encoder.embeddings.LayerNorm.weight.dtype)
+        return self.head(self.encoder.forward_keys(ids, key_mask, self.token_types(ids)), mask)
+
+
+class BertEmbeddingModel(_EncoderModel):
     """Encoder + pooling + optional L2 normalisation: the sentence-transformers pipeline."""
 
     def __init__(self, cfg: BertConfig, pooling: tuple[str, ...] = ("mean",),
@@ -282,25 +311,7 @@ class BertEmbeddingModel(nn.Module):
                 sub.max_packed_rows = limit
         return True
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, L] long, attention_mask [B, L] bool -> embeddings [B, D] float32."""
-        hidden = self.encoder(input_ids, attention_mask)
-        return self._finish(hidden, attention_mask)
-
-    @torch.inference_mode()
-    def embed_lengths(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, L] (int32 or long), lengths [B] (each 1..L; row b holds lengths[b]
-        real tokens then padding) -> embeddings [B, D] float32. Always masks and never syncs
-        with the host, so one CUDA graph per (B, L) can capture it; padding rows of a graph
-        are just rows of length 1."""
-        L = input_ids.shape[1]
-        mask = torch.arange(L, device=input_ids.device)[None, :] < lengths[:, None]  # [B, L]
-        key_mask = additive_key_mask(mask, self.encoder.embeddings.LayerNorm.weight.dtype)
-        hidden = self.encoder.forward_keys(input_ids.long(), key_mask)
-        return self._finish(hidden, mask)
-
-    def _finish(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # Pooling sums up to L vectors: done in float32 so that half-precision models lose
         # nothing there (cosine vs the float32 reference stays >= 0.9999).
         out = pool(hidden.float(), mask, self.pooling)
@@ -309,14 +320,12 @@ class BertEmbeddingModel(nn.Module):
         return out
 
 
-class BertCrossEncoder(nn.Module):
+class BertCrossEncoder(_EncoderModel):
     """A BERT cross-encoder (HF BertForSequenceClassification): a (query, document) pair as one
     row `[CLS] query [SEP] document [SEP]` -> relevance scores [B, num_labels] float32; with
     one label the sigmoid of the logit, as sentence-transformers' CrossEncoder reports it.
-
-    Rows are plain token ids, as the embedding batcher moves them: the token types (0 up to
-    and including the first [SEP], 1 after it) are derived from the ids, so a pair batches,
-    pads and buckets like any embedding input."""
+    The token types (0 up to and including the first [SEP], 1 after it) are derived from the
+    ids, so a pair batches, pads and buckets like any embedding input."""
 
     def __init__(self, cfg: BertConfig, sep_token_id: int, num_labels: int = 1) -> None:
         super().__init__()
@@ -331,25 +340,10 @@ class BertCrossEncoder(nn.Module):
     def embedding_dim(self) -> int:
         return self.num_labels
 
-    def pack_cpu_weights(self) -> bool:
-        return False
-
     def token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
         sep = (input_ids == self.sep_token_id).long()
         return ((sep.cumsum(dim=-1) - sep) > 0).long()  # strictly after the first [SEP]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder(input_ids, attention_mask, self.token_types(input_ids))
-        return self._score(hidden)
-
-    @torch.inference_mode()
-    def embed_lengths(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """As BertEmbeddingModel.embed_lengths (CUDA graphs): scores [B, num_labels]."""
-        ids = input_ids.long()
-        mask = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]
-        key_mask = additive_key_mask(mask, self.encoder.embeddings.LayerNorm.weight.dtype)
-        return self._score(self.encoder.forward_keys(ids, key_mask, self.token_types(ids)))
-
-    def _score(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         logits = self.classifier(torch.tanh(self.pooler(hidden[:, 0]))).float()
         return torch.sigmoid(logits) if self.num_labels == 1 else logits

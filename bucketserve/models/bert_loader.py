@@ -33,8 +33,10 @@ _ST_MODULES = {"Transformer", "Pooling", "Normalize"}
 
 
 @dataclass
-class LoadedEmbeddingModel:
-    model: BertEmbeddingModel
+class LoadedEncoder:
+    """A BERT-family model (sentence embeddings or a cross-encoder) and its tokenizer."""
+
+    model: BertEmbeddingModel | BertCrossEncoder
     tokenizer: EmbeddingTokenizer
     config: BertConfig
     name: str
@@ -97,6 +99,14 @@ def _pooling_modes(cfg: dict) -> tuple[str, ...]:
     return modes
 
 
+def _config_and_weights(model_dir: Path) -> tuple[BertConfig, dict[str, torch.Tensor]]:
+    cfg = BertConfig.from_hf_dict(_read_json(model_dir / "config.json"))
+    weights = model_dir / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} not found; only safetensors weights are supported")
+    return cfg, load_file(str(weights))
+
+
 def _fused_state_dict(raw: dict[str, torch.Tensor], cfg: BertConfig) -> dict[str, torch.Tensor]:
     """HF BertModel weight names -> BertEncoder names, with q/k/v fused into qkv."""
     sd = {(k[len("bert."):] if k.startswith("bert.") else k): v for k, v in raw.items()}
@@ -122,66 +132,42 @@ def load_embedding_model(
     name_or_path: str = DEFAULT_EMBEDDING_MODEL,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> LoadedEmbeddingModel:
+) -> LoadedEncoder:
     """Load encoder weights, tokenizer, pooling and max_seq_length from an HF directory."""
     name, model_dir = resolve_embedding_model(name_or_path)
-    cfg = BertConfig.from_hf_dict(_read_json(model_dir / "config.json"))
+    cfg, raw = _config_and_weights(model_dir)
     pooling, normalize = read_pooling(model_dir)
     st_cfg_file = model_dir / "sentence_bert_config.json"
     st_cfg = _read_json(st_cfg_file) if st_cfg_file.is_file() else {}
     max_seq_length = min(int(st_cfg.get("max_seq_length") or cfg.max_position_embeddings),
                          cfg.max_position_embeddings)
-
-    weights = model_dir / "model.safetensors"
-    if not weights.is_file():
-        raise FileNotFoundError(f"{weights} not found; only safetensors weights are supported")
     model = BertEmbeddingModel(cfg, pooling=pooling, normalize=normalize)
-    state = _fused_state_dict(load_file(str(weights)), cfg)
-    model.encoder.load_state_dict(state, strict=True)
+    model.encoder.load_state_dict(_fused_state_dict(raw, cfg), strict=True)
     model = model.to(device=device, dtype=dtype).eval()
     model.pack_cpu_weights()  # after .to(): packs the final weights; no-op off float32 CPU
 
     tokenizer = EmbeddingTokenizer(model_dir / "tokenizer.json",
                                    do_lower_case=bool(st_cfg.get("do_lower_case", False)))
-    return LoadedEmbeddingModel(model=model, tokenizer=tokenizer, config=cfg, name=name,
-                                max_seq_length=max_seq_length, path=model_dir)
-
-
-@dataclass
-class LoadedCrossEncoder:
-    model: BertCrossEncoder
-    tokenizer: EmbeddingTokenizer
-    config: BertConfig
-    name: str
-    max_seq_length: int
-    cls_token_id: int
-    sep_token_id: int
+    return LoadedEncoder(model, tokenizer, cfg, name, max_seq_length, model_dir)
 
 
 def load_cross_encoder(path: str | Path, device: str | torch.device = "cpu",
-                       dtype: torch.dtype = torch.float32) -> LoadedCrossEncoder:
+                       dtype: torch.dtype = torch.float32) -> LoadedEncoder:
     """A BERT cross-encoder (BertForSequenceClassification) from an HF directory:
     config.json, model.safetensors, tokenizer.json (vocabulary with [CLS] and [SEP])."""
     model_dir = Path(path)
-    raw_cfg = _read_json(model_dir / "config.json")
-    cfg = BertConfig.from_hf_dict(raw_cfg)
-    weights = model_dir / "model.safetensors"
-    if not weights.is_file():
-        raise FileNotFoundError(f"{weights} not found; only safetensors weights are supported")
+    cfg, raw = _config_and_weights(model_dir)
     tokenizer = EmbeddingTokenizer(model_dir / "tokenizer.json",
                                    do_lower_case=bool(_read_json(model_dir / "tokenizer_config.json")
                                                       .get("do_lower_case", False)))
-    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
-    if cls_id is None or sep_id is None:
+    sep_id = tokenizer.token_to_id("[SEP]")
+    if tokenizer.token_to_id("[CLS]") is None or sep_id is None:
         raise ValueError(f"{model_dir}: the tokenizer has no [CLS] / [SEP] token")
-    raw = load_file(str(weights))
     num_labels = raw["classifier.weight"].shape[0]
     model = BertCrossEncoder(cfg, sep_id, num_labels)
     model.encoder.load_state_dict(_fused_state_dict(raw, cfg), strict=True)
-    model.pooler.load_state_dict({"weight": raw["bert.pooler.dense.weight"],
-                                  "bias": raw["bert.pooler.dense.bias"]})
-    model.classifier.load_state_dict({"weight": raw["classifier.weight"],
-                                      "bias": raw["classifier.bias"]})
+    for module, prefix in ((model.pooler, "bert.pooler.dense."), (model.classifier, "classifier.")):
+        module.load_state_dict({p: raw[prefix + p] for p in ("weight", "bias")})
     model = model.to(device=device, dtype=dtype).eval()
-    return LoadedCrossEncoder(model, tokenizer, cfg, model_dir.name,
-                              cfg.max_position_embeddings, cls_id, sep_id)
+    return LoadedEncoder(model, tokenizer, cfg, model_dir.name, cfg.max_position_embeddings,
+                         model_dir)

@@ -106,18 +106,13 @@ class EmbeddingTokenizer:
         if every is not None:
             return self._plain(every, add_special_tokens=add_special_tokens)
         fast = [self._fast_text(t) for t in texts]
-        if None not in fast:
-            return self._plain(fast, add_special_tokens=add_special_tokens)
         out: list = [None] * len(texts)
-        picks = [i for i, f in enumerate(fast) if f is not None]
-        rest = [i for i, f in enumerate(fast) if f is None]
-        if picks:
-            encs = self._plain([fast[i] for i in picks], add_special_tokens=add_special_tokens)
-            for i, e in zip(picks, encs, strict=True):
-                out[i] = e
-        encs = self._encode([texts[i] for i in rest], add_special_tokens=add_special_tokens)
-        for i, e in zip(rest, encs, strict=True):
-            out[i] = e
+        for encode, src, keep in ((self._plain, fast, True), (self._encode, texts, False)):
+            picks = [i for i, f in enumerate(fast) if (f is not None) == keep]
+            if picks:
+                encs = encode([src[i] for i in picks], add_special_tokens=add_special_tokens)
+                for i, e in zip(picks, encs, strict=True):
+                    out[i] = e
         return out
 
     def encode_batch(self, texts: list[str], max_length: int | None = None) -> list[list[int]]:

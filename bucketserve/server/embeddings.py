@@ -1,40 +1,24 @@
 """POST /v1/embeddings: OpenAI's embeddings API over the length-bucketed EmbeddingBatcher.
 
-`build_add_on(...)` returns an EmbeddingService, the AddOn that server/app.py mounts: its
-`router`, `model_name`, `start()` / `shutdown()` and `metrics_collector` (batcher totals for
-/metrics, read at scrape time).
-
 Inputs: a string, a list of strings, a list of token ids, or a list of token-id lists. Strings
-are tokenized with the model's special tokens ([CLS] ... [SEP] for BERT); token ids are taken
-as the complete model input. `truncate_prompt_tokens` (-1 = the model's maximum) truncates as
-sentence-transformers does (keeps the start; strings keep their special tokens) instead of
-refusing long inputs. Vectors come back in input order, as floats or as base64 of
-little-endian float32 (OpenAI's encoding).
+get the model's special tokens ([CLS] ... [SEP]); token ids are the complete model input.
+`truncate_prompt_tokens` (-1: the model's maximum) truncates as sentence-transformers does.
+Vectors come back in input order, as floats or base64 of little-endian float32. The header
+`X-Request-Deadline-Ms: N` (0 < N <= the queue timeout) is this request's latency budget; it
+replaces `[embedding] latency_slo_ms` for its inputs (engine/embedding_queue.py).
 
-Deadlines: the header `X-Request-Deadline-Ms: N` (a number > 0, at most the queue timeout) is
-this request's latency budget in milliseconds from its arrival; it replaces
-`[embedding] latency_slo_ms` for its inputs (engine/embedding_queue.py point 7). A malformed
-value is refused with 400 before any work.
-
-On a CUDA device the encoder runs as CUDA graphs, one per (batch size, length bucket), captured
-when the service is built, before the server accepts requests (engine/embedding_runner.py).
-
-The route is lean, as the per-token SSE path is (bench/embeddings_frontend.py measures it):
-a plain ASGI endpoint instead of FastAPI's request handling. The body is decoded by msgspec
-into `FastEmbeddingRequest` (the fields and types of `EmbeddingRequest`); a body msgspec
-refuses (rare: bad JSON, a wrong type, a lone surrogate, a non-JSON content type) goes
-through FastAPI's own steps (json, then the pydantic model), so its error body is the one
-FastAPI gave. The response is written as bytes (one msgspec call per vector, base64 of the
-whole batch at once), without building a dict per vector. Clients that go away are found by
-one watcher task per service that polls the requests older than DISCONNECT_POLL_S, not by a
-task per request.
+The route is a plain ASGI endpoint on the app, behind its middlewares (auth, body limit), not
+a FastAPI route: on the 2-core CPU a FastAPI route here served 0.86x the embeddings of this one
+(docs/architecture.md, Size). The body is decoded by msgspec into `FastEmbeddingRequest`; a
+body msgspec refuses goes through FastAPI's own steps (json, then the pydantic
+`EmbeddingRequest`), so its error body is the one FastAPI gives. Clients that go away are
+found by one watcher task per service, not a task per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
 import email.message
 import json
 import logging
@@ -51,7 +35,7 @@ from fastapi import APIRouter
 from fastapi.exceptions import RequestValidationError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from starlette.types import Receive, Scope, Send
 
 from bucketserve.buckets import BucketsConfig, load_buckets
@@ -66,10 +50,14 @@ from bucketserve.engine.embedding_batcher import (
 from bucketserve.engine.embedding_runner import CudaGraphRunner
 from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.outputs import QueueFullError
-from bucketserve.models.bert_loader import LoadedEmbeddingModel, load_embedding_model
+from bucketserve.models.bert_loader import (
+    LoadedEncoder,
+    load_embedding_model,
+)
 from bucketserve.server.errors import APIError, invalid_request, overloaded, validation_message
 from bucketserve.server.generation import DISCONNECT_POLL_S, ClientGone
-from bucketserve.server.protocol import check_text, worker_tag
+from bucketserve.server.metrics import size_buckets, slot_buckets
+from bucketserve.server.protocol import Int, _Request, check_text, worker_tag
 from bucketserve.server.request_log import RequestLog
 
 log = logging.getLogger("bucketserve.embeddings")
@@ -85,21 +73,20 @@ DEADLINE_HEADER = "X-Request-Deadline-Ms"
 _INPUT_KINDS = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class EmbeddingRequest(_Request):
     input: Any  # checked by parse_input, for messages that name the offending item
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None
+    dimensions: Int | None = None
     user: str | None = None
-    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
-    priority: Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)] = 0  # lower runs first
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
+    priority: Annotated[Int, Field(ge=-(2**63), le=2**63 - 1)] = 0  # lower runs first
 
     @model_validator(mode="before")
     @classmethod
     def refuse_lone_surrogates(cls, data: Any) -> Any:
         return check_text(data)
+
 
 
 class FastEmbeddingRequest(msgspec.Struct):
@@ -117,7 +104,6 @@ class FastEmbeddingRequest(msgspec.Struct):
 
 
 _decode_fast = msgspec.json.Decoder(FastEmbeddingRequest).decode
-_encode = msgspec.json.encode
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -167,63 +153,46 @@ def _invalid(exc: RequestValidationError) -> APIError:
     return invalid_request(*validation_message(exc))
 
 
+_encode = msgspec.json.encode
 _Job = tuple[list[str], "int | None", asyncio.Future]
 
 
 class CoalescingTokenizer:
-    """Tokenizes the texts of concurrent requests together, off the event loop.
-
-    A request's texts join a pending list; when no tokenization runs, the whole list goes to
-    one helper thread as one `encode_batch` call per truncation length (the tokenizers
-    library encodes a batch on all cores with the GIL released), and the requests that come
-    while it runs make the next call. So 64 clients sending one text each cost one call, not
-    64 on the event loop, and a lone request waits for no one. Results come back to the event
-    loop in one call_soon_threadsafe per call. A ValueError (a truncation length too short)
-    is the failing request's alone: that group is then encoded request by request."""
+    """Tokenizes the texts of concurrent requests together, off the event loop: while one
+    `encode_batch` call runs in a helper thread (the tokenizers library encodes a batch on all
+    cores, the GIL released), the requests that come join the next call, one per truncation
+    length. So 64 clients sending one text each cost one call, and a lone request waits for no
+    one. A ValueError (a truncation length too short) is its request's alone: that group is
+    then encoded request by request."""
 
     def __init__(self, encode_batch: Any) -> None:
         self._encode = encode_batch
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[_Job] = []
-        self._running = False
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drainer: asyncio.Future | None = None
 
     async def encode(self, texts: list[str], max_len: int | None) -> list[list[int]]:
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # (in-process tests run one event loop after another)
-            self._loop, self._pending, self._running = loop, [], False
+        drainer = self._drainer
+        if drainer is None or drainer.done() or drainer.get_loop() is not loop:
+            # (in-process tests run one event loop after another)
+            self._pending = []
+            self._drainer = asyncio.ensure_future(self._drain())
         future = loop.create_future()
         self._pending.append((texts, max_len, future))
-        if not self._running:
-            self._start(loop)
         return await future
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
-
-    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
-        jobs = [job for job in self._pending if not job[2].done()]  # cancelled: dropped
-        self._pending = []
-        if not jobs:
-            self._running = False
-            return
-        self._running = True
-
-        def done(results: list) -> None:
-            self._finish(loop, jobs, results)
-
-        def run() -> None:
-            results = self._run(jobs)
-            try:
-                loop.call_soon_threadsafe(done, results)
-            except RuntimeError:  # that loop is closed: nobody is waiting any more
-                pass
-
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self._pool.submit(run)
+    async def _drain(self) -> None:
+        while self._pending:
+            jobs = [job for job in self._pending if not job[2].done()]  # cancelled: dropped
+            self._pending = []
+            results = await asyncio.to_thread(self._run, jobs)
+            for (_, _, future), result in zip(jobs, results, strict=True):
+                if future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
 
     def _run(self, jobs: list[_Job]) -> list:
         """In the helper thread: per job, its token ids or the exception it raised."""
@@ -248,17 +217,6 @@ class CoalescingTokenizer:
                 results[i] = ids[start:start + n]
                 start += n
         return results
-
-    def _finish(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job], results: list) -> None:
-        for (_, _, future), result in zip(jobs, results, strict=True):
-            if future.done():
-                continue
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
-        if loop is self._loop:
-            self._start(loop)
 
 
 class _Watched:
@@ -307,21 +265,15 @@ class BatcherStatsCollector(Collector):
         yield batches
 
         sizes = dict(s.batch_size_counts)
-        bounds = [1 << i for i in range(b.preferred_batch_size.bit_length() + 1)]
-        cumulative = [(str(le), sum(c for n, c in sizes.items() if n <= le)) for le in bounds]
-        cumulative.append(("+Inf", sum(sizes.values())))
         yield HistogramMetricFamily("bucketserve_embedding_batch_size",
-                                    "Inputs per encoder batch.", buckets=cumulative,
+                                    "Inputs per encoder batch.",
+                                    buckets=size_buckets(sizes, b.preferred_batch_size),
                                     sum_value=sum(n * c for n, c in sizes.items()))
-
-        delays = list(s.queue_delay_counts)
-        running, cumulative = 0, []
-        for le, count in zip([*map(str, QUEUE_DELAY_BUCKETS), "+Inf"], delays, strict=True):
-            running += count
-            cumulative.append((le, running))
         yield HistogramMetricFamily("bucketserve_embedding_queue_delay_seconds",
                                     "Time an input waited in its bucket before its batch ran.",
-                                    buckets=cumulative, sum_value=s.queue_delay_sum_s)
+                                    buckets=slot_buckets(QUEUE_DELAY_BUCKETS,
+                                                         list(s.queue_delay_counts)),
+                                    sum_value=s.queue_delay_sum_s)
         for name, value, doc in (
             ("bucketserve_embedding_computed_tokens", s.computed_tokens,
              "Tokens run through the encoder, bucket padding included."),
@@ -342,44 +294,60 @@ class BatcherStatsCollector(Collector):
                                 value=b.num_waiting_requests)
 
 
-class EmbeddingService:
-    """The /v1/embeddings add-on: model, batcher and router (see server/app.py AddOn)."""
+class EncoderService:
+    """What the embeddings and the rerank add-ons (server/app.py AddOn) share: a loaded BERT
+    model behind its batcher, the router, and the batcher's errors as API errors."""
 
-    def __init__(self, loaded: LoadedEmbeddingModel, buckets: BucketsConfig,
-                 faults: FaultPlan | None = None) -> None:
-        """`faults`: a test's injected encoder failures (engine/faults.py)."""
+    def __init__(self, loaded: LoadedEncoder,
+                 buckets: BucketsConfig) -> None:
         buckets = buckets.check_model(embedding_max_len=loaded.max_seq_length)
         self.loaded = loaded
         self.model_name = loaded.name
         self.batcher = build_batcher(loaded.model, loaded.config.pad_token_id, buckets)
-        runner = self.batcher.runner
-        self.graphs = runner if isinstance(runner, CudaGraphRunner) else None
-        self.batcher.faults = faults
-        self.max_inputs = buckets.embedding.max_inputs_per_request
-        self.queue_timeout_s = buckets.queue_timeout_s
         # Longest input served: the model's limit, or a smaller last bucket from the user's file.
         self.max_input_tokens = min(loaded.max_seq_length, self.batcher.max_len)
-        self.metrics_collector = BatcherStatsCollector(self.batcher)
-        self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
-        self._watching: dict[asyncio.Task, _Watched] = {}
-        self._watcher: asyncio.Future | None = None
-        self.router = self._build_router()
+        self.router = APIRouter()
 
     async def start(self) -> None:
         self.batcher.start()
 
     async def shutdown(self, timeout_s: float) -> None:
         await self.batcher.shutdown(timeout_s)
-        self.tokenizer.close()
 
     def is_alive(self) -> bool:
         return self.batcher.is_alive()
 
-    # ------------------------------------------------------------------ request handling
-    def _build_router(self) -> APIRouter:
-        router = APIRouter()
-        router.add_route("/v1/embeddings", _Endpoint(self), methods=["POST"])
-        return router
+    async def encode(self, rows: list[Any], **kw: Any) -> list[np.ndarray]:
+        """batcher.embed, its refusals and failures as the API errors they answer."""
+        try:
+            return await self.batcher.embed(rows, **kw)
+        except QueueFullError as exc:
+            raise overloaded(str(exc), "queue_full") from exc
+        except QueueTimeoutError as exc:
+            raise overloaded(str(exc), "queue_timeout") from exc
+        except BatcherStoppedError as exc:
+            raise overloaded(str(exc), "shutting_down") from exc
+        except EncoderError as exc:
+            raise APIError(500, str(exc), "server_error", None, "encoder_error") from exc
+
+
+class EmbeddingService(EncoderService):
+    """The /v1/embeddings add-on."""
+
+    def __init__(self, loaded: LoadedEncoder, buckets: BucketsConfig,
+                 faults: FaultPlan | None = None) -> None:
+        """`faults`: a test's injected encoder failures (engine/faults.py)."""
+        super().__init__(loaded, buckets)
+        runner = self.batcher.runner
+        self.graphs = runner if isinstance(runner, CudaGraphRunner) else None
+        self.batcher.faults = faults
+        self.max_inputs = buckets.embedding.max_inputs_per_request
+        self.queue_timeout_s = buckets.queue_timeout_s
+        self.metrics_collector = BatcherStatsCollector(self.batcher)
+        self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
+        self._watching: dict[asyncio.Task, _Watched] = {}
+        self._watcher: asyncio.Future | None = None
+        self.router.add_route("/v1/embeddings", _Endpoint(self), methods=["POST"])
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One request, from its ASGI messages to its response."""
@@ -469,17 +437,8 @@ class EmbeddingService:
         budget_s = parse_deadline_ms(deadline_header, self.queue_timeout_s)
         self._check_fields(body)
         token_ids = await self._token_ids(body)
-        try:
-            vectors = await self.batcher.embed(token_ids, priority=body.priority,
-                                               budget_s=budget_s, arrival=arrival)
-        except QueueFullError as exc:
-            raise overloaded(str(exc), "queue_full") from exc
-        except QueueTimeoutError as exc:
-            raise overloaded(str(exc), "queue_timeout") from exc
-        except BatcherStoppedError as exc:
-            raise overloaded(str(exc), "shutting_down") from exc
-        except EncoderError as exc:
-            raise APIError(500, str(exc), "server_error", None, "encoder_error") from exc
+        vectors = await self.encode(token_ids, priority=body.priority, budget_s=budget_s,
+                                    arrival=arrival)
         used = sum(len(ids) for ids in token_ids)
         if request_log is not None:
             lengths = [len(ids) for ids in token_ids]

@@ -20,8 +20,9 @@ over the workers at scrape time, so any worker's /metrics shows the whole server
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -111,17 +112,28 @@ class EngineStatsCollector(Collector):
         yield finished
 
 
+def size_buckets(sizes: dict[int, int], top: int) -> list[tuple[str, int]]:
+    """A histogram's cumulative (le, count) of sizes ({size: count}) over the powers of two up
+    to the one >= top, then +Inf."""
+    bounds = [1 << i for i in range(top.bit_length() + 1)]
+    cumulative = [(str(le), sum(c for n, c in sizes.items() if n <= le)) for le in bounds]
+    return cumulative + [("+Inf", sum(sizes.values()))]
+
+
+def slot_buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, int]]:
+    """A histogram's cumulative (le, count) from counts per slot (slot i: values <= bounds[i],
+    the last slot: the rest)."""
+    return list(zip([*map(str, bounds), "+Inf"], itertools.accumulate(counts), strict=True))
+
+
 def _batch_size_histogram(counts: dict[tuple[str, int], int]) -> HistogramMetricFamily:
     """Sequences per engine step, per step kind, in power-of-two buckets."""
     hist = HistogramMetricFamily("bucketserve_step_batch_size",
                                  "Sequences per engine step, per step kind.", labels=["kind"])
     for kind in sorted({k for k, _ in counts}):
         sizes = {n: c for (k, n), c in counts.items() if k == kind}
-        top = max(sizes).bit_length()
-        bounds = [1 << i for i in range(top + 1)]
-        cumulative = [(str(le), sum(c for n, c in sizes.items() if n <= le)) for le in bounds]
-        cumulative.append(("+Inf", sum(sizes.values())))
-        hist.add_metric([kind], cumulative, sum_value=sum(n * c for n, c in sizes.items()))
+        hist.add_metric([kind], size_buckets(sizes, max(sizes)),
+                        sum_value=sum(n * c for n, c in sizes.items()))
     return hist
 
 
@@ -130,12 +142,8 @@ def _step_time_histogram(counts: dict[int, int], total_s: float) -> HistogramMet
     scheduling, the wait for the previous step's tokens)."""
     hist = HistogramMetricFamily("bucketserve_engine_step_seconds",
                                  "Engine step time as the engine measures it.")
-    running, buckets = 0, []
-    for i, le in enumerate(STEP_TIME_BOUNDS):
-        running += counts.get(i, 0)
-        buckets.append((repr(le), running))
-    buckets.append(("+Inf", running + counts.get(len(STEP_TIME_BOUNDS), 0)))
-    hist.add_metric([], buckets, sum_value=total_s)
+    slots = [counts.get(i, 0) for i in range(len(STEP_TIME_BOUNDS) + 1)]
+    hist.add_metric([], slot_buckets(STEP_TIME_BOUNDS, slots), sum_value=total_s)
     return hist
 
 

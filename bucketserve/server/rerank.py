@@ -14,12 +14,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter
 from pydantic import Field
 
 from bucketserve.buckets import BucketsConfig
-from bucketserve.engine.embedding_batcher import build_batcher
-from bucketserve.models.bert_loader import LoadedCrossEncoder, load_cross_encoder
+from bucketserve.models.bert_loader import LoadedEncoder, load_cross_encoder
+from bucketserve.server.embeddings import EncoderService
 from bucketserve.server.errors import invalid_request
 from bucketserve.server.protocol import Bool, Int, _Request, new_id, now
 
@@ -40,27 +39,13 @@ class ScoreRequest(_Request):
     text_2: str | list[str]
 
 
-class RerankService:
-    """The rerank / score add-on (server/app.py AddOn): a cross-encoder behind a batcher."""
+class RerankService(EncoderService):
+    """The rerank / score add-on: a cross-encoder behind a batcher."""
 
-    def __init__(self, loaded: LoadedCrossEncoder, buckets: BucketsConfig) -> None:
-        buckets = buckets.check_model(embedding_max_len=loaded.max_seq_length)
-        self.loaded = loaded
-        self.model_name = loaded.name
-        self.batcher = build_batcher(loaded.model, loaded.config.pad_token_id, buckets)
-        self.max_len = min(loaded.max_seq_length, self.batcher.max_len)
-        self.router = APIRouter()
+    def __init__(self, loaded: LoadedEncoder, buckets: BucketsConfig) -> None:
+        super().__init__(loaded, buckets)
         self.router.add_api_route("/v1/rerank", self.rerank, methods=["POST"])
         self.router.add_api_route("/v1/score", self.score, methods=["POST"])
-
-    async def start(self) -> None:
-        self.batcher.start()
-
-    async def shutdown(self, timeout_s: float) -> None:
-        await self.batcher.shutdown(timeout_s)
-
-    def is_alive(self) -> bool:
-        return self.batcher.is_alive()
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -74,10 +59,10 @@ class RerankService:
                        strict=True))
         rows = [ids[a] + ids[b][1:] for a, b in pairs]  # [CLS] a [SEP] + b [SEP]
         for i, row in enumerate(rows):
-            if len(row) > self.max_len:
+            if len(row) > self.max_input_tokens:
                 raise invalid_request(f"pair {i} has {len(row)} tokens; the rerank model takes "
-                                      f"at most {self.max_len}", param)
-        out = await self.batcher.embed(rows)
+                                      f"at most {self.max_input_tokens}", param)
+        out = await self.encode(rows)
         return [float(v[0]) for v in out], sum(map(len, rows))
 
     async def rerank(self, body: RerankRequest) -> dict[str, Any]:
