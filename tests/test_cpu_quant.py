@@ -172,7 +172,10 @@ def test_q4_1_model_keeps_blocks_and_generates_the_fp32_tokens(engines):
 def test_int8_model_stays_close_to_fp32(engines):
     model = engines["int8"].runner.model
     assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
-    assert model.lm_head_quant is not None and model.lm_head_quant.mode == "int8"
+    # the LM head stays float32, on the CPU plan's packed sgemm like the float32 model's
+    assert model.lm_head_quant is None and model.model.embed_tokens.weight.dtype == torch.float32
+    assert model.cpu.gemm in ("onednn", "mkl") and model._lm_head_packed is not None
+    assert "float32 LM head packed" in model.cpu.gemm_how
     tok = engines["none"].tokenizer
     ids = [tok.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -385,7 +385,8 @@ class LlamaForCausalLM(nn.Module):
     Constructed directly, the parameters are uninitialised: use loader.load_model or
     loader.build_dummy_model to get weights. quantization "fp8": the FP8_PROJECTIONS are
     Fp8Linear (state dict: quantize_state_dict_fp8's form); "q4_1" / "int8" (CPU): they are
-    QuantLinear, and the loader may set lm_head_quant (a QuantLinear for the logits)."""
+    QuantLinear, and the loader may set lm_head_quant (q4_1: a QuantLinear for the logits;
+    int8 keeps the float32 head)."""
 
     fused_ops = True  # CUDA: run _forward_fused (benchmarks switch it off to compare)
     cpu_kernels = True  # float32 CPU: run _forward_cpu (the C row-wise ops), when they build
@@ -606,16 +607,23 @@ class LlamaForCausalLM(nn.Module):
             plan = dataclasses.replace(plan, c_kernels=False, prefill_attention="sdpa")
         self.attn_backend.c_prefill = plan.prefill_attention == "c"
         w = self.model.embed_tokens.weight
+        head = w if self.lm_head is None else self.lm_head.weight
+        self._lm_head_packed = None
         if self.quantization in cpu_quant.CPU_MODES:
-            plan = dataclasses.replace(
-                plan, gemm=None, gemm_how=f"{self.quantization} projections",
-                quant_kernels=cpu_quant.describe_kernels(self.quantization))
+            plan = dataclasses.replace(plan, gemm_how=f"{self.quantization} projections",
+                                       quant_kernels=cpu_quant.describe_kernels(self.quantization))
+            if self.lm_head_quant is not None or plan.gemm is None:
+                plan = dataclasses.replace(plan, gemm=None)
+            else:  # the float32 LM head (int8; q4_1 without Q4_1 / Q8_0 head blocks)
+                plan = with_measured_gemm(plan, head)
+                self._lm_head_packed = pack_weight(plan.gemm, head)
+                plan = dataclasses.replace(plan, gemm_how=f"{self.quantization} projections; "
+                                           f"float32 LM head packed for {plan.gemm}")
         elif (packed := pack_linear_weights(self, w, plan)) is None:
             plan = dataclasses.replace(plan, gemm=None, gemm_how="not a float32 CPU model")
         else:
             plan = packed
-            self._lm_head_packed = pack_weight(plan.gemm, w if self.lm_head is None
-                                               else self.lm_head.weight)
+            self._lm_head_packed = pack_weight(plan.gemm, head)
         self._cpu_plan = None
         self._threads_set_for = None
         self.cpu = plan

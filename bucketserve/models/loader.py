@@ -145,21 +145,19 @@ def _projection_blocks(blocks: dict[str, tuple[int, torch.Tensor]]) -> dict[str,
 
 def _quantized_lm_head(model: LlamaForCausalLM,
                        blocks: dict[str, tuple[int, torch.Tensor]]) -> QuantLinear | None:
-    """The LM head as a QuantLinear: q4_1, the GGUF's own blocks of the LM head (the token
-    embedding when tied) where they are Q4_1 or Q8_0 (else None: the float32 head); int8, the
-    float32 head quantized per output channel."""
+    """q4_1: the LM head as a QuantLinear on the GGUF's own blocks of the LM head (the token
+    embedding when tied) where they are Q4_1 or Q8_0; else None (int8 too): the float32 head,
+    packed by use_cpu_plan. int8 keeps the float32 head because the logits are the most
+    rounding-sensitive product: an int8 head cost ~1.1 points of perplexity (docs/quantization.md)."""
     c = model.config
-    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    if model.quantization == "q4_1":
-        qtype, b = blocks.get("model.embed_tokens.weight" if c.tie_word_embeddings
-                              else "lm_head.weight", (None, None))
-        if qtype not in cpu_quant.BLOCKS or c.hidden_size % 32:
-            return None
-        lin = QuantLinear(c.hidden_size, c.vocab_size, False, "q4_1", qtype=qtype)
-        lin.weight.data = b
-    else:
-        lin = QuantLinear(c.hidden_size, c.vocab_size, False, "int8")
-        lin.weight.data, lin.weight_scale.data = cpu_quant.quantize_int8_per_channel(head)
+    if model.quantization != "q4_1":
+        return None
+    qtype, b = blocks.get("model.embed_tokens.weight" if c.tie_word_embeddings
+                          else "lm_head.weight", (None, None))
+    if qtype not in cpu_quant.BLOCKS or c.hidden_size % 32:
+        return None
+    lin = QuantLinear(c.hidden_size, c.vocab_size, False, "q4_1", qtype=qtype)
+    lin.weight.data = b
     return lin.requires_grad_(False)
 
 
@@ -315,8 +313,6 @@ def build_dummy_model(config: ModelConfig, device: torch.device | str = "cpu",
         model = LlamaForCausalLM(config, backend, device="meta", dtype=dtype,
                                  quantization=quantization)
         model.load_state_dict(state, strict=True, assign=True)
-        if quantization == "int8":
-            model.lm_head_quant = _quantized_lm_head(model, {})
     return _finish(model)
 
 
