@@ -29,7 +29,7 @@ log = logging.getLogger("bucketserve.core")
 class _FakeStep(RunnerStep):
     def __init__(self, batch: ScheduledBatch, sample_seqs: list[int], ids: list[int],
                  ready_at: float) -> None:
-        super().__init__(batch, sample_seqs, None, None, None, None, 0)
+        super().__init__(batch, 0, sample_seqs)
         self._ids = ids
         self._ready_at = ready_at
 

@@ -256,13 +256,16 @@ class RunnerStep:
     `result()` waits for their copy to the host (the step's one sync) and returns the
     sampled token (or None) and logprob per batch sequence."""
 
-    def __init__(self, batch: ScheduledBatch, sample_seqs: list[int], tokens: torch.Tensor | None,
-                 host: torch.Tensor | None, ready: torch.cuda.Event | None,
-                 logprobs: list[TokenLogprob | None] | None, num_padding: int,
+    def __init__(self, batch: ScheduledBatch, num_padding: int, sample_seqs: list[int] | None = None,
+                 tokens: torch.Tensor | None = None, host: torch.Tensor | None = None,
+                 ready: torch.cuda.Event | None = None,
+                 logprobs: list[TokenLogprob | None] | None = None,
                  timing: dict[str, float] | None = None) -> None:
+        """A step that samples nothing (prefill chunks only) passes the batch and its padding
+        alone."""
         self.batch = batch
         self._timing = timing  # the runner's step_timing: result() adds its wait to "wait_s"
-        self.sample_seqs = sample_seqs
+        self.sample_seqs = sample_seqs or []
         self.tokens = tokens
         self.num_padding = num_padding
         self._host = host
@@ -541,7 +544,7 @@ class ModelRunner:
         k = len(plan.sample_seqs)
         if not k:
             self._last_tokens, self._last_index = None, {}
-            return RunnerStep(batch, [], None, None, None, None, padding)
+            return RunnerStep(batch, padding)
         h = hidden[:k] if rows is None else hidden.index_select(0, rows)
         logits = self.model.compute_logits(h)
         seqs = batch.seqs
@@ -556,5 +559,5 @@ class ModelRunner:
             ready.record()
         self._last_tokens = tokens
         self._last_index = {s: j for j, s in enumerate(sampled_seqs)}
-        return RunnerStep(batch, plan.sample_seqs, tokens, host, ready, logprobs, padding,
+        return RunnerStep(batch, padding, plan.sample_seqs, tokens, host, ready, logprobs,
                           self.step_timing)
