@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from bucketserve.buckets.config import KV_CACHE_DTYPES, QUANTIZATION_MODES
-from bucketserve.kernels.cpu_quant import CPU_MODES, describe_kernels
+from bucketserve.kernels.cpu_quant import CPU_MODES
 from bucketserve.kernels.fp8 import FP8_DTYPE
 
 # FP8 tensor cores (and torch._scaled_mm): Ada (8.9), Hopper (9.0) and newer
@@ -49,11 +49,10 @@ class QuantPlan:
         return FP8_DTYPE if self.kv_cache == "fp8" else model_dtype
 
     def describe(self) -> str:
-        text = (f"quantization: weights {self.weights}, KV cache {self.kv_cache}, projections "
+        # the CPU modes' kernels are the CPU plan's to name (CpuPlan.quant_kernels): they are
+        # built for its -march, which is not chosen yet where this is logged
+        return (f"quantization: weights {self.weights}, KV cache {self.kv_cache}, projections "
                 f"{self.gemm} on {self.device}")
-        if self.weights in CPU_MODES:
-            text += f" ({describe_kernels(self.weights)})"
-        return text
 
 
 def _fp8_refusal(device: torch.device) -> str | None:

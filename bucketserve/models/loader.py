@@ -74,7 +74,7 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     quantization "fp8": the decoder projections quantized on load (quantize_state_dict_fp8);
     "q4_1" (CPU, a GGUF whose projections are Q4_1): the projections kept in their GGUF
     blocks and the tied LM head in the token embedding's (Q8_0) blocks; "int8" (CPU): the
-    projections and the LM head quantized on load, per output channel
+    projections quantized on load, per output channel, the LM head left float32
     (kernels/cpu_quant.py)."""
     dtype = resolve_dtype(dtype)
     device = torch.device(device)
