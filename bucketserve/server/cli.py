@@ -31,8 +31,8 @@ from bucketserve.server.startup import (
 
 log = logging.getLogger("bucketserve.server")
 
-CORES_PER_FRONT_END = 4
-CUDA_MAX_FRONT_ENDS = 4
+CORES_PER_FRONT_END = 2
+CUDA_MAX_FRONT_ENDS = 8
 
 
 def frontend_workers(cores: int, device: str) -> tuple[int, str]:
