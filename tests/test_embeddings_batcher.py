@@ -397,8 +397,8 @@ def test_embed_texts_with_tokenizer_processes_matches_the_thread_path():
 
     from conftest import minilm_dir
 
-    from bucketserve.engine.embedding_batcher import embed_texts
-    from bucketserve.models.embedding_tokenizer import EmbeddingTokenizer, TokenizerProcesses
+    from bench.embeddings_gpu import TokenizerProcesses, embed_texts
+    from bucketserve.models.embedding_tokenizer import EmbeddingTokenizer
 
     tok = EmbeddingTokenizer(minilm_dir() / "tokenizer.json", do_lower_case=True)
     rng = random.Random(0)

@@ -17,8 +17,9 @@ import pytest
 import torch
 from conftest import minilm_dir
 
+from bench.embeddings_gpu import embed_texts
 from bucketserve.buckets import load_buckets
-from bucketserve.engine.embedding_batcher import build_batcher, embed_texts
+from bucketserve.engine.embedding_batcher import build_batcher
 from bucketserve.engine.embedding_runner import CudaGraphRunner
 from bucketserve.models.bert_loader import load_embedding_model
 

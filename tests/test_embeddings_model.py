@@ -154,11 +154,11 @@ def test_whole_chunk_check_takes_the_fast_path_only_when_every_text_would(ours):
 
 
 def test_tokenizer_processes_give_the_same_ids(ours):
-    from bucketserve.models.embedding_tokenizer import TokenizerProcesses, unpack
+    from bench.embeddings_gpu import TokenizerProcesses, encode_packed, unpack
 
     texts = ASCII_EDGE_CASES + corpus(200, seed=5)
     want = ours.tokenizer.encode_batch(texts)
-    flat, lengths = ours.tokenizer.encode_packed(texts)
+    flat, lengths = encode_packed(ours.tokenizer, texts)
     assert [v.tolist() for v in unpack(flat, lengths)] == want
     with TokenizerProcesses(ours.tokenizer, 2, threads=1) as procs:
         got = procs.encode_batch(texts)

@@ -25,9 +25,9 @@ import logging
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -408,34 +408,6 @@ class EmbeddingBatcher:
                 if req.remaining == 0:
                     self._finish(req, req.results, resolved)  # type: ignore[arg-type]
         resolve_all(resolved)
-
-
-async def embed_texts(batcher: EmbeddingBatcher,
-                      tokenize: Callable[[list[str]], Sequence[Sequence[int]]] | Any,
-                      texts: Sequence[str], chunk: int = 1024) -> list[np.ndarray]:
-    """Offline: vectors for many texts, tokenization included, in text order.
-
-    `tokenize` is a function (texts -> token ids per text), run on chunks in order on one
-    helper thread (the tokenizers library encodes a batch on all cores, the GIL released), or
-    a TokenizerProcesses (embedding_tokenizer.py), whose worker processes tokenize several
-    chunks at once and hand back packed arrays. Either way the batcher already encodes the
-    chunks before while later ones are tokenized, so tokenizing and encoding overlap instead
-    of adding up."""
-    import concurrent.futures
-
-    from bucketserve.models.embedding_tokenizer import unpack
-
-    packed = hasattr(tokenize, "submit")  # worker processes: every chunk submitted at once
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
-        futures = [tokenize.submit(part) if packed else pool.submit(tokenize, part)
-                   for part in (list(texts[i:i + chunk]) for i in range(0, len(texts), chunk))]
-
-        async def one(future: concurrent.futures.Future) -> list[np.ndarray]:
-            ids = await asyncio.wrap_future(future)
-            return await batcher.embed(unpack(*ids) if packed else ids)
-
-        parts = await asyncio.gather(*(one(f) for f in futures))
-    return [v for part in parts for v in part]
 
 
 def build_batcher(model: torch.nn.Module, pad_token_id: int, buckets: BucketsConfig

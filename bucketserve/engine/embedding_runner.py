@@ -156,7 +156,6 @@ class CudaGraphRunner:
         self.report: CaptureReport | None = None
         self.num_graph_batches = 0  # batches at a captured shape (CPU: at a padded shape)
         self.num_eager_batches = 0  # batches above the largest captured size
-        self.shape_log: list[tuple[int, int]] | None = None  # a list: launch appends (rows, L)
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return (torch.cuda.stream(self.stream) if self.stream is not None
@@ -242,8 +241,6 @@ class CudaGraphRunner:
                 graph.replay()
             else:
                 self._forward(padded, length)
-            if self.shape_log is not None:
-                self.shape_log.append((padded, length))
             if (padded, length) in self.shape_set:
                 self.num_graph_batches += 1
             else:
