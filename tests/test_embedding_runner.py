@@ -137,5 +137,5 @@ def test_trimmed_cpu_batches_match_sentence_transformers_and_count_what_they_com
     assert cos.min() >= MIN_COSINE
     assert t.length == max(len(r) for r in rows) < 64
     stats = BatcherStats()
-    stats.record_batch(64, [len(r) for r in rows], [0.0] * 3, computed_len=t.length)
+    stats.record_batch(64, [len(r) for r in rows], [0.0] * 3, False, t)
     assert stats.computed_tokens == 3 * t.length and stats.batches_per_bucket == {64: 1}

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from conftest import minilm_dir
 
 from bucketserve.engine.embedding_batcher import EmbeddingBatcher
+from bucketserve.engine.embedding_runner import FunctionRunner
 from bucketserve.models.bert_loader import load_embedding_model
 
 MIN_COSINE = 0.9999
@@ -224,7 +225,7 @@ def _batched(ours, token_ids, groups, **batcher_kw) -> list[torch.Tensor]:
     """Run `groups` (lists of input indices) as concurrent requests through a batcher."""
 
     async def run():
-        batcher = EmbeddingBatcher(ours.model, pad_token_id=0, **batcher_kw)
+        batcher = EmbeddingBatcher(FunctionRunner(ours.model, 0), **batcher_kw)
         batcher.start()
         try:
             results = await asyncio.gather(

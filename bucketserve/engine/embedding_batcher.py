@@ -27,7 +27,6 @@ import time
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -35,7 +34,7 @@ import torch
 from bucketserve.buckets import BucketsConfig
 from bucketserve.engine.embedding_cost import CostTable
 from bucketserve.engine.embedding_queue import Batch, BucketQueue, batch_capacity, finish_by
-from bucketserve.engine.embedding_runner import CudaGraphRunner, EncodeFn, FunctionRunner, Ticket
+from bucketserve.engine.embedding_runner import CudaGraphRunner, FunctionRunner, Runner, Ticket
 from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.outputs import QueueFullError
 
@@ -49,12 +48,6 @@ QUEUE_DELAY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 # bucket lengths (spread over the boundaries) and batch sizes (1, a quarter and all of cap(L)).
 WARMUP_BUDGET_S = 2.0
 WARMUP_LENGTHS = 4
-
-
-class Runner(Protocol):
-    def launch(self, rows: Sequence[Sequence[int]], length: int) -> Ticket: ...
-
-    def collect(self, ticket: Ticket) -> np.ndarray: ...
 
 
 class QueueTimeoutError(RuntimeError):
@@ -96,16 +89,14 @@ class BatcherStats:
         return 1.0 - self.useful_tokens / self.computed_tokens if self.computed_tokens else 0.0
 
     def record_batch(self, bucket_len: int, lengths: list[int], delays_s: list[float],
-                     merged: bool = False, padded_rows: int | None = None,
-                     computed_len: int | None = None) -> None:
-        """padded_rows: rows computed (a compiled shape's padding rows included; default
-        len(lengths)): they count as computed, not useful, tokens. computed_len: the length
-        the rows were computed at (a trimming runner's longest row; default bucket_len)."""
+                     merged: bool, ticket: Ticket) -> None:
+        """The ticket's rows (a compiled shape's padding rows included) at its length (a
+        trimming runner's longest row) count as computed tokens; `lengths` as useful ones."""
         self.merged_batches += merged
         self.batches_per_bucket[bucket_len] = self.batches_per_bucket.get(bucket_len, 0) + 1
         size = len(lengths)
         self.batch_size_counts[size] = self.batch_size_counts.get(size, 0) + 1
-        self.computed_tokens += (padded_rows or size) * (computed_len or bucket_len)
+        self.computed_tokens += ticket.padded_rows * ticket.length
         self.useful_tokens += sum(lengths)
         self.num_inputs += size
         for d in delays_s:  # slot: the first bucket with d <= its bound, else +Inf
@@ -155,35 +146,21 @@ class _Running:
 
 
 class EmbeddingBatcher:
-    """Queues token-id inputs per length bucket and runs ready buckets on an encoder.
-
-    `encode` is a runner (launch / collect, see embedding_runner.py) or a plain function
-    encode(input_ids [B, Lb] long, attention_mask [B, Lb] bool) -> embeddings [B, D], padding on
-    the right with pad_token_id. max_merged_padding: the merge bound (0 = no merging).
+    """Queues token-id inputs per length bucket and runs ready buckets on a runner (launch /
+    collect, see embedding_runner.py). max_merged_padding: the merge bound (0 = no merging).
     """
 
-    def __init__(
-        self,
-        encode: EncodeFn | Runner,
-        boundaries: tuple[int, ...],
-        preferred_batch_size: int,
-        max_batch_tokens: int,
-        max_queue_delay_ms: float,
-        queue_timeout_s: float = 600.0,
-        max_waiting: int = 1024,
-        policy: str = "priority",
-        pad_token_id: int = 0,
-        max_merged_padding: float = 0.0,
-        latency_slo_ms: float = 0.0,
-    ) -> None:
-        self.runner: Runner = (encode if hasattr(encode, "launch")  # type: ignore[assignment]
-                               else FunctionRunner(encode, pad_token_id))  # type: ignore[arg-type]
+    def __init__(self, runner: Runner, boundaries: tuple[int, ...], preferred_batch_size: int,
+                 max_batch_tokens: int, max_queue_delay_ms: float, queue_timeout_s: float = 600.0,
+                 max_waiting: int = 1024, policy: str = "priority",
+                 max_merged_padding: float = 0.0, latency_slo_ms: float = 0.0) -> None:
+        self.runner = runner
         # A runner with compiled batch sizes (CudaGraphRunner.sizes): batches fit them.
         self.queue = BucketQueue(boundaries, preferred_batch_size, max_batch_tokens,
                                  max_queue_delay_ms / 1000.0, policy == "priority",
                                  max_merged_padding, queue_timeout_s,
-                                 graph_sizes=getattr(self.runner, "sizes", None),
-                                 latency_slo_s=latency_slo_ms / 1000.0, cost=CostTable())
+                                 graph_sizes=getattr(runner, "sizes", None),
+                                 latency_slo_s=latency_slo_ms / 1000.0)
         self.spec = self.queue.spec
         self.preferred_batch_size = preferred_batch_size
         self.queue_timeout_s = queue_timeout_s
@@ -301,7 +278,7 @@ class EmbeddingBatcher:
         request.done = True
         self._num_waiting_requests -= 1
         if request.remaining and not isinstance(result, list):
-            self.queue.mark_dead(self.spec.boundaries)  # sweep its queued inputs out
+            self.queue.mark_dead()  # sweep its queued inputs out
         if result is not None:
             if resolved is not None:
                 resolved.append((request, result))
@@ -395,8 +372,7 @@ class EmbeddingBatcher:
                 batch, running.ticket.padded_rows, end - running.start, end)
         self.stats.record_batch(batch.length, [item.length for item in batch.items],
                                 [running.start - item.arrival for item in batch.items],
-                                batch.merged, running.ticket.padded_rows,
-                                computed_len=running.ticket.length)
+                                batch.merged, running.ticket)
         resolved: list = []
         with self._cond:
             for r, item in enumerate(batch.items):
@@ -431,7 +407,7 @@ def build_batcher(model: torch.nn.Module, pad_token_id: int, buckets: BucketsCon
         runner = FunctionRunner(model, pad_token_id, trim=True)  # eager: no bucket padding
     batcher = EmbeddingBatcher(runner, emb.boundaries, size, tokens, emb.max_queue_delay_ms,
                                buckets.queue_timeout_s, buckets.max_waiting, buckets.policy,
-                               pad_token_id, emb.merged_padding(kind), emb.latency_slo_ms)
+                               emb.merged_padding(kind), emb.latency_slo_ms)
     if emb.latency_slo_ms:  # deadlines plan with the table from the first request on
         with torch.inference_mode():
             batcher.measure_costs()

@@ -227,13 +227,6 @@ class BucketQueue:
         self._targets[bucket_len] = (best, version)
         return best
 
-    @property
-    def num_live(self) -> int:
-        return sum(b.live for b in self._buckets.values())
-
-    def live_per_bucket(self) -> dict[int, int]:
-        return {length: b.live for length, b in self._buckets.items() if b.live}
-
     # ------------------------------------------------------------------ adding / removing
     def add(self, request: Any, id_lists: Iterable[Any], priority: int, now: float,
             deadline: float | None = None) -> bool:
@@ -264,10 +257,9 @@ class BucketQueue:
             self._seq += 1
         return moved
 
-    def mark_dead(self, bucket_lengths: Iterable[int]) -> None:
-        """A request queued in these buckets finished early: sweep its inputs out of them."""
-        for length in set(bucket_lengths):
-            bucket = self._buckets[length]
+    def mark_dead(self) -> None:
+        """A queued request finished early: sweep its inputs out of every bucket."""
+        for bucket in self._buckets.values():
             bucket.fifos = {p: kept for p, fifo in bucket.fifos.items()
                             if (kept := deque(filter(_waiting, fifo)))}
             bucket.live = sum(map(len, bucket.fifos.values()))

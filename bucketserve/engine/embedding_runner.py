@@ -254,3 +254,6 @@ class CudaGraphRunner:
         if ticket.event is not None:
             ticket.event.synchronize()
         return self._host_out_np[ticket.slot][: ticket.rows].copy()
+
+
+Runner = FunctionRunner | CudaGraphRunner
