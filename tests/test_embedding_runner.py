@@ -79,7 +79,7 @@ def test_padded_rows_and_eager_fallback_match_sentence_transformers(minilm):
             ticket = runner.launch(rows[L][:n], L)
             assert (ticket.rows, ticket.padded_rows) == (n, padded)
             out = runner.collect(ticket)
-            assert out.shape == (n, minilm.embedding_dim) and out.dtype == np.float32
+            assert out.shape == (n, minilm.model.embedding_dim) and out.dtype == np.float32
             graph = padded <= 4
             assert (runner.num_graph_batches - before[0], runner.num_eager_batches - before[1]) \
                 == ((1, 0) if graph else (0, 1))

@@ -354,7 +354,7 @@ def test_merged_batches_stay_within_the_bound(bound):
     for (B, L), firsts in zip(enc.calls[1:], enc.batches[1:], strict=True):
         lengths = [len(inputs[f - 10]) for f in firsts]
         assert L in boundaries and max(spec.lookup(n) for n in lengths) == L
-        assert B <= b.capacity(L)
+        assert B <= b.queue.capacity(L)
         if any(spec.lookup(n) != L for n in lengths):
             merged += 1
             assert 1 - sum(lengths) / (B * L) <= bound + 1e-12, (lengths, L)

@@ -329,7 +329,7 @@ def test_pooling_modes(tiny_bert_dir, tmp_path, mode, normalize):
     token_ids = loaded.tokenizer.encode_batch(texts)
     got = _batched(loaded, token_ids, [[0, 1, 2, 3]], boundaries=(8, 32, 64, 100),
                    preferred_batch_size=4, max_batch_tokens=1000, max_queue_delay_ms=1.0)
-    assert ref.shape[1] == loaded.embedding_dim
+    assert ref.shape[1] == loaded.model.embedding_dim
     _check(got, ref, texts)
     if not normalize:  # also the scale, not just the direction
         assert torch.allclose(torch.stack(got), ref, atol=1e-4, rtol=1e-4)

@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from bucketserve.buckets import BucketsConfig
-from bucketserve.engine.embedding_cost import CostTable
 from bucketserve.engine.embedding_queue import Batch, BucketQueue, batch_capacity, finish_by
 from bucketserve.engine.embedding_runner import CudaGraphRunner, FunctionRunner, Runner, Ticket
 from bucketserve.engine.faults import FaultPlan
@@ -168,14 +167,10 @@ class EmbeddingBatcher:
         self.stats = BatcherStats()
         self.faults: FaultPlan | None = None  # a test's injected failures ("encode" rules)
 
-        self._num_waiting_requests = 0
+        self.num_waiting_requests = 0  # accepted, not yet finished (queued or running)
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-
-    @property
-    def cost(self) -> CostTable:
-        return self.queue.cost
 
     def measure_costs(self, budget_s: float = WARMUP_BUDGET_S) -> int:
         """Start-up (before `start`): time a few shapes into the cost table, smallest first,
@@ -185,7 +180,7 @@ class EmbeddingBatcher:
         picks = sorted({bounds[round(i * (len(bounds) - 1) / max(WARMUP_LENGTHS - 1, 1))]
                         for i in range(WARMUP_LENGTHS)})
         shapes = sorted({(rows, length) for length in picks
-                         for cap in [self.capacity(length)]
+                         for cap in [self.queue.capacity(length)]
                          for rows in (1, max(1, cap // 4), cap)}, key=lambda s: s[0] * s[1])
         t0 = time.monotonic()
         measured = 0
@@ -198,25 +193,11 @@ class EmbeddingBatcher:
                 ticket = self.runner.launch(ids, length)
                 self.runner.collect(ticket)
                 took = time.monotonic() - start
-            self.cost.observe(length, ticket.padded_rows, took)
+            self.queue.cost.observe(length, ticket.padded_rows, took)
             measured += 1
         log.info("embedding cost table: %d of %d shapes timed in %.2f s", measured, len(shapes),
                  time.monotonic() - t0)
         return measured
-
-    @property
-    def max_len(self) -> int:
-        """The longest input the batcher accepts (its last boundary)."""
-        return self.spec.max_len
-
-    @property
-    def num_waiting_requests(self) -> int:
-        """Requests accepted and not yet finished (queued or in a running batch)."""
-        return self._num_waiting_requests
-
-    def capacity(self, bucket_len: int) -> int:
-        """Most inputs in one batch of this bucket."""
-        return self.queue.capacity(bucket_len)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -249,7 +230,7 @@ class EmbeddingBatcher:
         default now), replacing latency_slo_ms for its inputs (embedding_queue point 7)."""
         if not token_id_lists:
             return []
-        max_len = self.max_len
+        max_len = self.spec.max_len
         for i, ids in enumerate(token_id_lists):
             if not 1 <= len(ids) <= max_len:
                 raise ValueError(f"input {i} has {len(ids)} tokens; the batcher takes 1 to "
@@ -276,7 +257,7 @@ class EmbeddingBatcher:
         if request.done:
             return
         request.done = True
-        self._num_waiting_requests -= 1
+        self.num_waiting_requests -= 1
         if request.remaining and not isinstance(result, list):
             self.queue.mark_dead()  # sweep its queued inputs out
         if result is not None:
@@ -290,12 +271,12 @@ class EmbeddingBatcher:
         with self._cond:
             if self._stopping or not self.is_alive():
                 raise BatcherStoppedError("the embedding batcher is not running")
-            if self._num_waiting_requests >= self.max_waiting:
-                raise QueueFullError(f"{self._num_waiting_requests} embedding requests are "
+            if self.num_waiting_requests >= self.max_waiting:
+                raise QueueFullError(f"{self.num_waiting_requests} embedding requests are "
                                      "waiting (max_waiting); retry later")
             moved = self.queue.add(request, token_id_lists, priority, time.monotonic(),
                                    deadline)
-            self._num_waiting_requests += 1
+            self.num_waiting_requests += 1
             self.stats.num_requests += 1
             if moved:  # else the worker's wake-up time stands: no thread switch per request
                 self._cond.notify()

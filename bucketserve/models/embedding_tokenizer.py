@@ -130,9 +130,6 @@ class EmbeddingTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
-
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -305,7 +305,7 @@ class EncoderService:
         self.model_name = loaded.name
         self.batcher = build_batcher(loaded.model, loaded.config.pad_token_id, buckets)
         # Longest input served: the model's limit, or a smaller last bucket from the user's file.
-        self.max_input_tokens = min(loaded.max_seq_length, self.batcher.max_len)
+        self.max_input_tokens = min(loaded.max_seq_length, self.batcher.spec.max_len)
         self.router = APIRouter()
 
     async def start(self) -> None:
@@ -455,7 +455,7 @@ class EmbeddingService(EncoderService):
             raise APIError(404, f"the model {body.model!r} does not exist here; /v1/embeddings "
                            f"serves {self.model_name!r} (see GET /v1/models)",
                            "invalid_request_error", "model", "model_not_found")
-        dim = self.loaded.embedding_dim
+        dim = self.loaded.model.embedding_dim
         if body.dimensions is not None and body.dimensions != dim:
             raise invalid_request(f"{self.model_name} returns {dim}-dimensional vectors and "
                                   f"cannot shorten them; omit dimensions or set it to {dim}",
