@@ -89,10 +89,10 @@ def test_padded_rows_and_eager_fallback_match_sentence_transformers(minilm):
 
 @pytest.mark.parametrize("dim", [384, 5, 1024])
 def test_base64_rows_equal_per_row_encoding(dim):
-    from bucketserve.server.embeddings import base64_rows
+    from bucketserve.server.embeddings import base64_rows_bytes
 
     mat = np.random.default_rng(dim).standard_normal((7, dim)).astype(np.float32)
-    got = base64_rows(mat)
+    got = [row.decode("ascii") for row in base64_rows_bytes(mat)]
     assert got == [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in mat]
     assert np.array_equal(np.frombuffer(base64.b64decode(got[3]), dtype="<f4"), mat[3])
 

@@ -219,15 +219,6 @@ class CoalescingTokenizer:
         return results
 
 
-class _Watched:
-    __slots__ = ("receive", "since", "gone")
-
-    def __init__(self, receive: Receive, since: float) -> None:
-        self.receive = receive
-        self.since = since
-        self.gone = False
-
-
 async def _disconnected(receive: Receive) -> bool:
     """Whether the client has gone, without waiting (as starlette's Request.is_disconnected)."""
     message: dict = {}
@@ -235,17 +226,6 @@ async def _disconnected(receive: Receive) -> bool:
         scope.cancel()
         message = await receive()  # type: ignore[assignment]
     return message.get("type") == "http.disconnect"
-
-
-class _Endpoint:
-    """POST /v1/embeddings as a plain ASGI app (a class instance: starlette's Route calls it
-    as it is, without its request/response wrapping)."""
-
-    def __init__(self, service: EmbeddingService) -> None:
-        self.service = service
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.service.handle(scope, receive, send)
 
 
 class BatcherStatsCollector(Collector):
@@ -338,19 +318,19 @@ class EmbeddingService(EncoderService):
                  faults: FaultPlan | None = None) -> None:
         """`faults`: a test's injected encoder failures (engine/faults.py)."""
         super().__init__(loaded, buckets)
-        runner = self.batcher.runner
-        self.graphs = runner if isinstance(runner, CudaGraphRunner) else None
         self.batcher.faults = faults
         self.max_inputs = buckets.embedding.max_inputs_per_request
         self.queue_timeout_s = buckets.queue_timeout_s
         self.metrics_collector = BatcherStatsCollector(self.batcher)
         self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
-        self._watching: dict[asyncio.Task, _Watched] = {}
+        self._watching: dict[asyncio.Task, tuple[Receive, float]] = {}  # (receive, since)
         self._watcher: asyncio.Future | None = None
-        self.router.add_route("/v1/embeddings", _Endpoint(self), methods=["POST"])
+        # the service as a plain ASGI app (a class instance: starlette's Route calls it as it
+        # is, without its request/response wrapping)
+        self.router.add_route("/v1/embeddings", self, methods=["POST"])
 
-    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """One request, from its ASGI messages to its response."""
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """POST /v1/embeddings: one request, from its ASGI messages to its response."""
         chunks = []
         while True:
             message = await receive()
@@ -396,20 +376,19 @@ class EmbeddingService(EncoderService):
         (then ClientGone)."""
         task = asyncio.current_task()
         assert task is not None
-        entry = _Watched(receive, time.monotonic())
-        self._watching[task] = entry
+        self._watching[task] = (receive, time.monotonic())
         watcher = self._watcher
         if watcher is None or watcher.done() or watcher.get_loop() is not task.get_loop():
             self._watcher = asyncio.ensure_future(self._watch_clients())
         try:
             return await awaitable
         except asyncio.CancelledError:
-            if entry.gone:
+            if task not in self._watching:  # the watcher found its client gone
                 task.uncancel()
                 raise ClientGone() from None
             raise
         finally:
-            del self._watching[task]
+            self._watching.pop(task, None)
 
     async def _watch_clients(self) -> None:
         """Every DISCONNECT_POLL_S while requests are in flight: cancels those whose client
@@ -420,11 +399,10 @@ class EmbeddingService(EncoderService):
             if not self._watching:
                 break
             now = time.monotonic()
-            for task, entry in list(self._watching.items()):
-                if entry.gone or now - entry.since < DISCONNECT_POLL_S or task.done():
-                    continue
-                if await _disconnected(entry.receive):
-                    entry.gone = True
+            for task, (receive, since) in list(self._watching.items()):
+                if now - since >= DISCONNECT_POLL_S and not task.done() \
+                        and await _disconnected(receive):
+                    self._watching.pop(task, None)
                     task.cancel()
         if self._watcher is me:
             self._watcher = None
@@ -557,16 +535,11 @@ def parse_input(inp: Any) -> list[str] | list[list[int]]:
     return inp
 
 
-def base64_rows(mat: np.ndarray) -> list[str]:
-    """OpenAI's base64 encoding of each row of mat [N, D]: the row's little-endian float32
-    bytes (see base64_rows_bytes)."""
-    return [row.decode("ascii") for row in base64_rows_bytes(mat)]
-
-
 def base64_rows_bytes(mat: np.ndarray) -> list[bytes]:
-    """base64_rows as ASCII bytes. When a row is a multiple of 3 bytes (D % 3 == 0: 384,
-    768, ...), base64 of the whole matrix splits exactly at row boundaries: one encode for
-    the batch, then slices."""
+    """OpenAI's base64 encoding of each row of mat [N, D] (the row's little-endian float32
+    bytes), as ASCII bytes. When a row is a multiple of 3 bytes (D % 3 == 0: 384, 768, ...),
+    base64 of the whole matrix splits exactly at row boundaries: one encode for the batch,
+    then slices."""
     mat = np.ascontiguousarray(mat, dtype="<f4")
     row_bytes = mat.shape[1] * 4
     if row_bytes % 3:
@@ -599,7 +572,8 @@ def build_add_on(model: str = "all-minilm-l6-v2", device: str = "cpu",
     on CUDA this captures the encoder's graphs (logged: how many, how long, how much memory)."""
     loaded = load_embedding_model(model, device=device, dtype=dtype)
     service = EmbeddingService(loaded, buckets if buckets is not None else load_buckets(), faults)
-    if service.graphs is None:  # one tiny forward: the first request pays no lazy set-up
+    if not isinstance(service.batcher.runner, CudaGraphRunner):  # one tiny forward: the
+        # first request pays no lazy set-up
         ids = torch.zeros((1, service.batcher.spec.boundaries[0]), dtype=torch.long,
                           device=device)
         loaded.model(ids, torch.ones_like(ids, dtype=torch.bool))
