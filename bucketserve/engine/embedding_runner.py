@@ -161,15 +161,6 @@ class CudaGraphRunner:
         return (torch.cuda.stream(self.stream) if self.stream is not None
                 else contextlib.nullcontext())
 
-    def profiles(self) -> list[tuple[tuple[int, int, int], list[int]]]:
-        """Per bucket: its (min, opt, max) length profile (from BucketSpec) and the batch
-        sizes captured for it, smallest first: what a TensorRT builder would build."""
-        out = []
-        for i, length in enumerate(self.spec.boundaries):
-            sizes = sorted(b for b, L in self.shapes if L == length)
-            out.append((self.spec.profile(i), sizes))
-        return out
-
     # ------------------------------------------------------------------ forward over statics
     def _forward(self, rows: int, length: int) -> None:
         # dev_in[: rows * (1 + length)] viewed [rows, 1 + length] -> dev_out[:rows]

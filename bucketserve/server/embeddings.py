@@ -417,11 +417,11 @@ class EmbeddingService(EncoderService):
         token_ids = await self._token_ids(body)
         vectors = await self.encode(token_ids, priority=body.priority, budget_s=budget_s,
                                     arrival=arrival)
-        used = sum(len(ids) for ids in token_ids)
+        lengths = [len(ids) for ids in token_ids]
+        used = sum(lengths)
         if request_log is not None:
-            lengths = [len(ids) for ids in token_ids]
-            spec = self.batcher.spec
-            request_log.record_embeddings(arrival, lengths, [spec.lookup(n) for n in lengths])
+            lookup = self.batcher.spec.lookup
+            request_log.record_embeddings(arrival, lengths, [lookup(n) for n in lengths])
         args = (vectors, body.encoding_format, self.model_name, used)
         if len(vectors) <= _INLINE_RENDER_MAX:
             return _render(*args)
@@ -511,9 +511,7 @@ def _is_token_id(x: Any) -> bool:
 
 def parse_input(inp: Any) -> list[str] | list[list[int]]:
     """The request's `input` as a non-empty list of strings or of token-id lists."""
-    if isinstance(inp, str):
-        inp = [inp]
-    elif isinstance(inp, list) and inp and _is_token_id(inp[0]):
+    if isinstance(inp, str) or (isinstance(inp, list) and inp and _is_token_id(inp[0])):
         inp = [inp]
     if not isinstance(inp, list):
         raise invalid_request(f"input must be {_INPUT_KINDS}; got {type(inp).__name__}", "input")
@@ -521,11 +519,8 @@ def parse_input(inp: Any) -> list[str] | list[list[int]]:
         raise invalid_request(f"input is empty; send {_INPUT_KINDS}", "input")
     strings = isinstance(inp[0], str)
     for i, item in enumerate(inp):
-        if strings:
-            ok = isinstance(item, str)
-        else:
-            ok = isinstance(item, list) and all(_is_token_id(t) for t in item)
-        if not ok:
+        if not (isinstance(item, str) if strings
+                else isinstance(item, list) and all(map(_is_token_id, item))):
             kind = "a string" if strings else "a list of non-negative integer token ids"
             raise invalid_request(f"input[{i}] must be {kind} like input[0] (input must be "
                                   f"{_INPUT_KINDS}); got {json.dumps(item)[:60]}", "input")
