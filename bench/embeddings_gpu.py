@@ -215,7 +215,7 @@ def run_ours(texts: list[str], args: argparse.Namespace, out: dict) -> object:
     out["capture"] = {"graphs": report.num_graphs, "capture_s": report.seconds,
                       "pool_mib": report.pool_bytes / 2**20,
                       "build_s": time.perf_counter() - t0}
-    out["batch_size"] = batcher.preferred_batch_size
+    out["batch_size"] = batcher.queue.preferred_batch_size
     out["max_merged_padding"] = batcher.queue.max_merged_padding
     out["chunk"] = args.chunk
     out["cpu_count"] = os.cpu_count()

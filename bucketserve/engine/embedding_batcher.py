@@ -27,6 +27,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -122,12 +123,13 @@ def resolve_all(done: list[tuple[_Request, list[np.ndarray] | BaseException]]) -
         loops.setdefault(request.loop, []).append((request.future, result))
     for loop, items in loops.items():
         try:
-            loop.call_soon_threadsafe(_resolve_many, items)
+            loop.call_soon_threadsafe(resolve_futures, items)
         except RuntimeError:  # that loop is closed: nobody is waiting any more
             pass
 
 
-def _resolve_many(items: list[tuple[asyncio.Future, list[np.ndarray] | BaseException]]) -> None:
+def resolve_futures(items: list[tuple[asyncio.Future, Any]]) -> None:
+    """In the futures' loop: each one's result, or its exception when the result is one."""
     for future, result in items:
         if future.done():  # the awaiting task was cancelled
             pass
@@ -161,8 +163,6 @@ class EmbeddingBatcher:
                                  graph_sizes=getattr(runner, "sizes", None),
                                  latency_slo_s=latency_slo_ms / 1000.0)
         self.spec = self.queue.spec
-        self.preferred_batch_size = preferred_batch_size
-        self.queue_timeout_s = queue_timeout_s
         self.max_waiting = max_waiting
         self.stats = BatcherStats()
         self.faults: FaultPlan | None = None  # a test's injected failures ("encode" rules)
@@ -241,7 +241,18 @@ class EmbeddingBatcher:
         budget = budget_s if budget_s is not None else self.queue.latency_slo_s
         if budget:  # else the queue's own rule (the SLO from now, or no deadline)
             deadline = finish_by(time.monotonic() if arrival is None else arrival, budget)
-        self._submit(request, token_id_lists, priority, deadline)
+        with self._cond:
+            if self._stopping or not self.is_alive():
+                raise BatcherStoppedError("the embedding batcher is not running")
+            if self.num_waiting_requests >= self.max_waiting:
+                raise QueueFullError(f"{self.num_waiting_requests} embedding requests are "
+                                     "waiting (max_waiting); retry later")
+            moved = self.queue.add(request, token_id_lists, priority, time.monotonic(),
+                                   deadline)
+            self.num_waiting_requests += 1
+            self.stats.num_requests += 1
+            if moved:  # else the worker's wake-up time stands: no thread switch per request
+                self._cond.notify()
         try:
             return await request.future
         except asyncio.CancelledError:
@@ -265,21 +276,6 @@ class EmbeddingBatcher:
                 resolved.append((request, result))
             else:
                 resolve_all([(request, result)])
-
-    def _submit(self, request: _Request, token_id_lists: Sequence[Sequence[int]],
-                priority: int, deadline: float | None = None) -> None:
-        with self._cond:
-            if self._stopping or not self.is_alive():
-                raise BatcherStoppedError("the embedding batcher is not running")
-            if self.num_waiting_requests >= self.max_waiting:
-                raise QueueFullError(f"{self.num_waiting_requests} embedding requests are "
-                                     "waiting (max_waiting); retry later")
-            moved = self.queue.add(request, token_id_lists, priority, time.monotonic(),
-                                   deadline)
-            self.num_waiting_requests += 1
-            self.stats.num_requests += 1
-            if moved:  # else the worker's wake-up time stands: no thread switch per request
-                self._cond.notify()
 
     # ------------------------------------------------------------------ worker thread
     def _run_loop(self) -> None:
@@ -309,7 +305,7 @@ class EmbeddingBatcher:
             now = time.monotonic()
             for request in self.queue.expired(now):
                 self._finish(request, QueueTimeoutError(
-                    f"an input waited over queue_timeout_s={self.queue_timeout_s:g} s in the "
+                    f"an input waited over queue_timeout_s={self.queue.queue_timeout_s:g} s in the "
                     "embedding queue; retry later"))
             batch = self.queue.pop_batch(now)
             if batch is not None or not wait:

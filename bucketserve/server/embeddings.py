@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import email.message
+import itertools
 import json
 import logging
 import math
@@ -27,7 +28,6 @@ import time
 from collections.abc import Awaitable, Iterator
 from typing import Annotated, Any, Literal
 
-import anyio
 import msgspec
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import Field, ValidationError, model_validator
+from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from bucketserve.buckets import BucketsConfig, load_buckets
@@ -46,6 +47,7 @@ from bucketserve.engine.embedding_batcher import (
     EncoderError,
     QueueTimeoutError,
     build_batcher,
+    resolve_futures,
 )
 from bucketserve.engine.embedding_runner import CudaGraphRunner
 from bucketserve.engine.faults import FaultPlan
@@ -186,13 +188,7 @@ class CoalescingTokenizer:
             jobs = [job for job in self._pending if not job[2].done()]  # cancelled: dropped
             self._pending = []
             results = await asyncio.to_thread(self._run, jobs)
-            for (_, _, future), result in zip(jobs, results, strict=True):
-                if future.done():
-                    continue
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+            resolve_futures([(job[2], r) for job, r in zip(jobs, results, strict=True)])
 
     def _run(self, jobs: list[_Job]) -> list:
         """In the helper thread: per job, its token ids or the exception it raised."""
@@ -201,31 +197,17 @@ class CoalescingTokenizer:
         for i, (_, max_len, _) in enumerate(jobs):
             groups.setdefault(max_len, []).append(i)
         for max_len, members in groups.items():
-            texts = [t for i in members for t in jobs[i][0]]
             try:
-                ids = self._encode(texts, max_len)
+                ids = iter(self._encode([t for i in members for t in jobs[i][0]], max_len))
+                for i in members:
+                    results[i] = list(itertools.islice(ids, len(jobs[i][0])))
             except Exception:  # find whose: one call per request of this group
                 for i in members:
                     try:
                         results[i] = self._encode(jobs[i][0], max_len)
                     except Exception as exc:
                         results[i] = exc
-                continue
-            start = 0
-            for i in members:
-                n = len(jobs[i][0])
-                results[i] = ids[start:start + n]
-                start += n
         return results
-
-
-async def _disconnected(receive: Receive) -> bool:
-    """Whether the client has gone, without waiting (as starlette's Request.is_disconnected)."""
-    message: dict = {}
-    with anyio.CancelScope() as scope:
-        scope.cancel()
-        message = await receive()  # type: ignore[assignment]
-    return message.get("type") == "http.disconnect"
 
 
 class BatcherStatsCollector(Collector):
@@ -247,7 +229,7 @@ class BatcherStatsCollector(Collector):
         sizes = dict(s.batch_size_counts)
         yield HistogramMetricFamily("bucketserve_embedding_batch_size",
                                     "Inputs per encoder batch.",
-                                    buckets=size_buckets(sizes, b.preferred_batch_size),
+                                    buckets=size_buckets(sizes, b.queue.preferred_batch_size),
                                     sum_value=sum(n * c for n, c in sizes.items()))
         yield HistogramMetricFamily("bucketserve_embedding_queue_delay_seconds",
                                     "Time an input waited in its bucket before its batch ran.",
@@ -323,7 +305,7 @@ class EmbeddingService(EncoderService):
         self.queue_timeout_s = buckets.queue_timeout_s
         self.metrics_collector = BatcherStatsCollector(self.batcher)
         self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
-        self._watching: dict[asyncio.Task, tuple[Receive, float]] = {}  # (receive, since)
+        self._watching: dict[asyncio.Task, tuple[Request, float]] = {}  # (client, since)
         self._watcher: asyncio.Future | None = None
         # the service as a plain ASGI app (a class instance: starlette's Route calls it as it
         # is, without its request/response wrapping)
@@ -355,7 +337,7 @@ class EmbeddingService(EncoderService):
             request_log = getattr(getattr(ctx, "metrics", None), "request_log", None)
             # a client gone drops its inputs that are still queued (batcher.embed)
             content = await self._watched(self.create(request, request_log, deadline),
-                                          receive)
+                                          Request(scope, receive))
         except APIError as err:
             await err.response()(scope, receive, send)
             return
@@ -371,12 +353,12 @@ class EmbeddingService(EncoderService):
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 
-    async def _watched(self, awaitable: Awaitable[bytes], receive: Receive) -> bytes:
+    async def _watched(self, awaitable: Awaitable[bytes], client: Request) -> bytes:
         """Awaits in this task; the service's watcher cancels it when its client goes away
         (then ClientGone)."""
         task = asyncio.current_task()
         assert task is not None
-        self._watching[task] = (receive, time.monotonic())
+        self._watching[task] = (client, time.monotonic())
         watcher = self._watcher
         if watcher is None or watcher.done() or watcher.get_loop() is not task.get_loop():
             self._watcher = asyncio.ensure_future(self._watch_clients())
@@ -399,9 +381,9 @@ class EmbeddingService(EncoderService):
             if not self._watching:
                 break
             now = time.monotonic()
-            for task, (receive, since) in list(self._watching.items()):
+            for task, (client, since) in list(self._watching.items()):
                 if now - since >= DISCONNECT_POLL_S and not task.done() \
-                        and await _disconnected(receive):
+                        and await client.is_disconnected():
                     self._watching.pop(task, None)
                     task.cancel()
         if self._watcher is me:
