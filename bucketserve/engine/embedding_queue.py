@@ -241,9 +241,8 @@ class BucketQueue:
             n = len(ids)
             length = lookup(n)
             bucket = self._buckets[length]
-            fifo = bucket.fifos.setdefault(prio, deque())
             item = QueuedInput(ids, request, index, prio, now, self._seq, n, length, deadline)
-            fifo.append(item)
+            bucket.fifos.setdefault(prio, deque()).append(item)
             if deadline < math.inf:
                 heapq.heappush(bucket.deadlines, (deadline, self._seq, item))
             bucket.live += 1
@@ -382,22 +381,18 @@ class BucketQueue:
         if bucket.live >= self.capacity(length):
             return now
         at = starts.get(length, math.inf)
-        if not self.latency_slo_s:
-            at = min(at, oldest + self.max_queue_delay_s)
-        return at
+        return at if self.latency_slo_s else min(at, oldest + self.max_queue_delay_s)
 
     def next_wake(self, now: float) -> float | None:
         """When the earliest not-yet-ready bucket becomes ready (None: nothing queued); a
         value <= now means some bucket is ready. Adding inputs can move it earlier."""
-        wake = None
         starts = self.start_times(now)
+        wakes = []
         for length, bucket in self._buckets.items():
             oldest = min((h.arrival for h in bucket.heads()), default=None)
-            if oldest is None:
-                continue
-            at = self._ready_at(length, bucket, oldest, now, starts)
-            wake = at if wake is None else min(wake, at)
-        return wake
+            if oldest is not None:
+                wakes.append(self._ready_at(length, bucket, oldest, now, starts))
+        return min(wakes, default=None)
 
     def pop_batch(self, now: float) -> Batch | None:
         """The next batch to run (docstring points 2-4, 7), removed from the queue; None when
@@ -415,12 +410,8 @@ class BucketQueue:
                 prio = min(h.priority for h in heads)
                 seq = min(h.seq for h in heads if h.priority == prio)
                 # point 9: under overload a starving bucket (oldest first), then the fullest
-                starve, fill = math.inf, 0.0
-                if overload:
-                    cap = self.target(length)
-                    fill = -min(bucket.live, cap) / cap
-                    if oldest <= starving:
-                        starve = oldest
+                starve = oldest if overload and oldest <= starving else math.inf
+                fill = -min(bucket.live, cap := self.target(length)) / cap if overload else 0.0
                 key = (prio, starve, fill, bucket.earliest_deadline(), seq)
                 if best is None or key < best[0]:
                     best = (key, length)
