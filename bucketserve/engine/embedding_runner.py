@@ -134,10 +134,9 @@ class CudaGraphRunner:
         self.shape_set = set(self.shapes)
         dim = model.embedding_dim
         # Most rows any batch can have: the largest capacity, or the largest graph size.
-        max_rows = max(max(capacity(b) for b in spec.boundaries),
-                       max(b for b, _ in self.shapes))
+        self.max_rows = max_rows = max(max(capacity(b) for b in spec.boundaries),
+                                       max(b for b, _ in self.shapes))
         width = spec.max_len + 1
-        self.max_rows = max_rows
         cuda = self.device.type == "cuda"
         self.asynchronous = cuda  # launch only enqueues device work; collect waits for it
         self.stream = torch.cuda.Stream(self.device) if cuda else None

@@ -61,11 +61,9 @@ def _read_json(path: Path) -> dict:
 def read_pooling(model_dir: Path) -> tuple[tuple[str, ...], bool]:
     """(pooling modes, normalize) from the sentence-transformers modules of model_dir."""
     modules_file = model_dir / "modules.json"
-    if not modules_file.is_file():
-        return ("mean",), False
     modes: tuple[str, ...] = ("mean",)
     normalize = False
-    for module in _read_json(modules_file):
+    for module in _read_json(modules_file) if modules_file.is_file() else []:
         kind = module["type"].rsplit(".", 1)[-1]
         if kind not in _ST_MODULES:
             raise ValueError(f"sentence-transformers module {module['type']} in {modules_file} is "
