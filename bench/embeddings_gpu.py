@@ -62,6 +62,106 @@ def corpus(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(8, 250))) for _ in range(n)]
 
 
+# ---------------------------------------------------------------------------- offline host path
+# Tokenization in worker processes, for offline embedding (embed_texts): each worker tokenizes a
+# chunk of texts and hands back one packed int32 array, so the Python ints a tokenization makes
+# (one per token id) are made in the workers, not in the process that runs the batcher, whose
+# one GIL the batcher's own host work needs.
+_WORKER = None
+
+
+def encode_packed(tokenizer, texts: list[str], max_length: int | None = None) -> tuple:
+    """tokenizer.encode_batch as (every text's ids one after the other, int32; lengths)."""
+    import itertools
+
+    import numpy as np
+
+    ids = tokenizer.encode_batch(texts, max_length)
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32,
+                       count=int(lengths.sum()))
+    return flat, lengths
+
+
+def unpack(flat, lengths) -> list:
+    """encode_packed's result as one 1-D int32 view per text."""
+    import numpy as np
+
+    ends = np.cumsum(lengths).tolist()
+    return [flat[a:b] for a, b in zip([0] + ends[:-1], ends, strict=True)]
+
+
+def _worker_init(path: str, do_lower_case: bool, threads: int) -> None:
+    global _WORKER
+    from bucketserve.models.embedding_tokenizer import EmbeddingTokenizer
+
+    # tokenizers' Rust thread pool starts at the first parallel encode and reads this then
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    _WORKER = EmbeddingTokenizer(path, do_lower_case)
+
+
+def _worker_encode(texts: list[str], max_length: int | None) -> tuple:
+    return encode_packed(_WORKER, texts, max_length)
+
+
+class TokenizerProcesses:
+    """An EmbeddingTokenizer in `processes` worker processes (spawned, `threads` Rust threads
+    each): `submit(texts)` gives a concurrent Future of encode_packed's (flat, lengths).
+    Start-up costs a process start per worker, so build it once and `close` it at the end."""
+
+    def __init__(self, tokenizer, processes: int, threads: int | None = None) -> None:
+        import concurrent.futures
+
+        if processes < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
+        self.threads = threads or max(1, (os.cpu_count() or 1) // processes)
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            processes, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+            initargs=(str(tokenizer.path), tokenizer.do_lower_case, self.threads))
+        # start every worker now (not at the first timed chunk)
+        for f in [self._pool.submit(_worker_encode, ["warm up"], None) for _ in range(processes)]:
+            f.result()
+
+    def submit(self, texts: list[str], max_length: int | None = None):
+        return self._pool.submit(_worker_encode, list(texts), max_length)
+
+    def encode_batch(self, texts: list[str], max_length: int | None = None) -> list:
+        return unpack(*self.submit(texts, max_length).result())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> TokenizerProcesses:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def embed_texts(batcher, tokenize, texts: list[str], chunk: int = 1024) -> list:
+    """Offline: vectors for many texts, tokenization included, in text order.
+
+    `tokenize` is a function (texts -> token ids per text), run on chunks in order on one
+    helper thread (the tokenizers library encodes a batch on all cores, the GIL released), or
+    a TokenizerProcesses, whose worker processes tokenize several chunks at once and hand back
+    packed arrays. Either way the batcher already encodes the chunks before while later ones
+    are tokenized, so tokenizing and encoding overlap instead of adding up."""
+    import concurrent.futures
+
+    packed = isinstance(tokenize, TokenizerProcesses)  # every chunk submitted at once
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
+        futures = [tokenize.submit(part) if packed else pool.submit(tokenize, part)
+                   for part in (list(texts[i:i + chunk]) for i in range(0, len(texts), chunk))]
+
+        async def one(future: concurrent.futures.Future) -> list:
+            ids = await asyncio.wrap_future(future)
+            return await batcher.embed(unpack(*ids) if packed else ids)
+
+        parts = await asyncio.gather(*(one(f) for f in futures))
+    return [v for part in parts for v in part]
+
+
 # ---------------------------------------------------------------------------- offline, per system
 def _timed(fn, repeats: int) -> list[float]:
     import torch
@@ -102,9 +202,8 @@ def run_ours(texts: list[str], args: argparse.Namespace, out: dict) -> object:
     import torch
 
     from bucketserve.buckets import load_buckets
-    from bucketserve.engine.embedding_batcher import build_batcher, embed_texts
+    from bucketserve.engine.embedding_batcher import build_batcher
     from bucketserve.models.bert_loader import load_embedding_model
-    from bucketserve.models.embedding_tokenizer import TokenizerProcesses, unpack
 
     loaded = load_embedding_model(str(model_dir()), device="cuda",
                                   dtype=getattr(torch, args.dtype))
@@ -116,7 +215,7 @@ def run_ours(texts: list[str], args: argparse.Namespace, out: dict) -> object:
     out["capture"] = {"graphs": report.num_graphs, "capture_s": report.seconds,
                       "pool_mib": report.pool_bytes / 2**20,
                       "build_s": time.perf_counter() - t0}
-    out["batch_size"] = batcher.preferred_batch_size
+    out["batch_size"] = batcher.queue.preferred_batch_size
     out["max_merged_padding"] = batcher.queue.max_merged_padding
     out["chunk"] = args.chunk
     out["cpu_count"] = os.cpu_count()
@@ -144,7 +243,7 @@ def run_ours(texts: list[str], args: argparse.Namespace, out: dict) -> object:
     def tokenize_only(tok: object) -> float:
         t0 = time.perf_counter()
         parts = [texts[i:i + args.chunk] for i in range(0, len(texts), args.chunk)]
-        if hasattr(tok, "submit"):
+        if isinstance(tok, TokenizerProcesses):
             futures = [tok.submit(p) for p in parts]
             _ = [unpack(*f.result()) for f in futures]
         else:
@@ -165,10 +264,18 @@ def run_ours(texts: list[str], args: argparse.Namespace, out: dict) -> object:
         finally:
             await batcher.shutdown()
 
-    graphs.shape_log = []
+    shape_log: list[tuple[int, int]] = []  # (rows, length) of each batch, as computed
+    launch = graphs.launch
+
+    def logged(rows: list, length: int) -> object:
+        ticket = launch(rows, length)
+        shape_log.append((ticket.padded_rows, ticket.length))
+        return ticket
+
+    graphs.launch = logged
     out["pretokenized_s"] = _timed(lambda: asyncio.run(pre()), 1)[0]
-    out["device_only_s"] = _replay_s(graphs, graphs.shape_log)
-    graphs.shape_log = None
+    del graphs.launch  # the class's own again
+    out["device_only_s"] = _replay_s(graphs, shape_log)
     stats = batcher.stats
     out["variants"] = {}
     for n in variants:

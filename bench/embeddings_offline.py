@@ -77,8 +77,7 @@ def run_ours(loaded: LoadedEncoder, texts: list[str], batcher_kw: dict
         # the served CPU path's runner (embedding_batcher.build_batcher): a batch is computed
         # at its longest row
         pad = loaded.config.pad_token_id
-        batcher = EmbeddingBatcher(FunctionRunner(loaded.model, pad, trim=True),
-                                   pad_token_id=pad, **batcher_kw)
+        batcher = EmbeddingBatcher(FunctionRunner(loaded.model, pad, trim=True), **batcher_kw)
         batcher.start()
         try:
             ids = loaded.tokenizer.encode_batch(texts)

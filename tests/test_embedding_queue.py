@@ -39,6 +39,11 @@ def firsts(batch) -> list[int]:
     return [item.ids[0] for item in batch.items]
 
 
+def queued(q: BucketQueue) -> dict[int, int]:
+    """Queued inputs per bucket length (empty buckets left out)."""
+    return {length: b.live for length, b in q._buckets.items() if b.live}
+
+
 def test_a_bucket_waits_for_its_delay_or_its_capacity():
     q = make()
     q.add(Req(), [ids(1, 3), ids(2, 3)], 0, now=100.0)
@@ -119,7 +124,7 @@ def test_cut_inputs_go_back_in_arrival_order_and_merges_are_undone():
     batch = q.pop_batch(1.0)
     # merged to 6 rows (1 - 43/48 = 0.10), but at 8 rows 1 - 43/64 = 0.33: cut to 4
     assert firsts(batch) == [0, 1, 2, 3] and not batch.merged and batch.length == 8
-    assert q.live_per_bucket() == {4: 1, 8: 1}
+    assert queued(q) == {4: 1, 8: 1}
     batch = q.pop_batch(1.0)  # 8 and 3 tokens: 2 rows at length 8, 1 - 11/16 = 0.31 > 0.2
     assert firsts(batch) == [4]
     assert firsts(q.pop_batch(1.0)) == [9]
@@ -132,14 +137,14 @@ def test_dead_inputs_are_skipped_and_swept():
     q.add(live, [ids(4, 3)], 0, now=0.0)
     dead.done = True
     assert firsts(q.pop_batch(1.0)) == [4]  # skipped at the head without a sweep
-    assert q.pop_batch(1.0) is None and q.num_live == 0
+    assert q.pop_batch(1.0) is None and queued(q) == {}
     q2 = make()
     q2.add(dead, [ids(1, 3), ids(2, 3), ids(3, 12)], 0, now=0.0)
     q2.add(live, [ids(4, 3)], 0, now=0.0)
-    q2.mark_dead((4, 16))
-    assert q2.live_per_bucket() == {4: 1}
+    q2.mark_dead()
+    assert queued(q2) == {4: 1}
     assert firsts(q2.pop_batch(1.0)) == [4]
-    assert q2.pop_batch(1.0) is None and q2.num_live == 0
+    assert q2.pop_batch(1.0) is None and queued(q2) == {}
 
 
 def test_expired_names_each_late_request_once():

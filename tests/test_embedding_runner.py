@@ -79,7 +79,7 @@ def test_padded_rows_and_eager_fallback_match_sentence_transformers(minilm):
             ticket = runner.launch(rows[L][:n], L)
             assert (ticket.rows, ticket.padded_rows) == (n, padded)
             out = runner.collect(ticket)
-            assert out.shape == (n, minilm.embedding_dim) and out.dtype == np.float32
+            assert out.shape == (n, minilm.model.embedding_dim) and out.dtype == np.float32
             graph = padded <= 4
             assert (runner.num_graph_batches - before[0], runner.num_eager_batches - before[1]) \
                 == ((1, 0) if graph else (0, 1))
@@ -89,10 +89,10 @@ def test_padded_rows_and_eager_fallback_match_sentence_transformers(minilm):
 
 @pytest.mark.parametrize("dim", [384, 5, 1024])
 def test_base64_rows_equal_per_row_encoding(dim):
-    from bucketserve.server.embeddings import base64_rows
+    from bucketserve.server.embeddings import base64_rows_bytes
 
     mat = np.random.default_rng(dim).standard_normal((7, dim)).astype(np.float32)
-    got = base64_rows(mat)
+    got = [row.decode("ascii") for row in base64_rows_bytes(mat)]
     assert got == [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in mat]
     assert np.array_equal(np.frombuffer(base64.b64decode(got[3]), dtype="<f4"), mat[3])
 
@@ -137,5 +137,5 @@ def test_trimmed_cpu_batches_match_sentence_transformers_and_count_what_they_com
     assert cos.min() >= MIN_COSINE
     assert t.length == max(len(r) for r in rows) < 64
     stats = BatcherStats()
-    stats.record_batch(64, [len(r) for r in rows], [0.0] * 3, computed_len=t.length)
+    stats.record_batch(64, [len(r) for r in rows], [0.0] * 3, False, t)
     assert stats.computed_tokens == 3 * t.length and stats.batches_per_bucket == {64: 1}

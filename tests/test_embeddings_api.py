@@ -291,7 +291,7 @@ def test_deadline_header_runs_a_bucket_before_the_fixed_delay(loaded, st_model, 
 
 def test_latency_slo_measures_costs_at_start_and_learns_from_batches(loaded, tmp_path):
     app, service = make_app(loaded, tmp_path, "[embedding]\nlatency_slo_ms = 200\n")
-    table = service.batcher.cost
+    table = service.batcher.queue.cost
     assert service.batcher.queue.latency_slo_s == 0.2
     warm = dict(table.samples)
     assert warm and all(n == 1 for n in warm.values())  # the start-up shapes, one batch each

@@ -14,6 +14,7 @@ from bucketserve.engine.embedding_batcher import (
     EmbeddingBatcher,
     QueueTimeoutError,
 )
+from bucketserve.engine.embedding_runner import FunctionRunner
 from bucketserve.engine.outputs import QueueFullError
 
 WAIT_S = 30.0  # generous bound for "this completes" (never a performance threshold)
@@ -47,7 +48,7 @@ def make_batcher(enc: FakeEncoder, **kw) -> EmbeddingBatcher:
     args = dict(boundaries=(4, 8, 16), preferred_batch_size=4, max_batch_tokens=64,
                 max_queue_delay_ms=1.0)
     args.update(kw)
-    b = EmbeddingBatcher(enc, **args)
+    b = EmbeddingBatcher(FunctionRunner(enc), **args)
     b.start()
     return b
 
@@ -241,7 +242,7 @@ def test_encoder_failure_fails_its_batch_only():
         return torch.zeros(ids.shape[0], 2)
 
     async def main():
-        b = EmbeddingBatcher(encode, (4, 8), 1, 64, 1.0)
+        b = EmbeddingBatcher(FunctionRunner(encode), (4, 8), 1, 64, 1.0)
         b.start()
         with pytest.raises(RuntimeError, match="boom"):
             await b.embed([[13, 1]])
@@ -264,7 +265,7 @@ def test_bad_lengths_and_config():
 
     run(main())
     with pytest.raises(ValueError, match="max_batch_tokens"):
-        EmbeddingBatcher(enc, (4, 8, 16), 4, 8, 1.0)
+        EmbeddingBatcher(FunctionRunner(enc), (4, 8, 16), 4, 8, 1.0)
 
 
 # ------------------------------------------------------------------ bucket merging
@@ -353,7 +354,7 @@ def test_merged_batches_stay_within_the_bound(bound):
     for (B, L), firsts in zip(enc.calls[1:], enc.batches[1:], strict=True):
         lengths = [len(inputs[f - 10]) for f in firsts]
         assert L in boundaries and max(spec.lookup(n) for n in lengths) == L
-        assert B <= b.capacity(L)
+        assert B <= b.queue.capacity(L)
         if any(spec.lookup(n) != L for n in lengths):
             merged += 1
             assert 1 - sum(lengths) / (B * L) <= bound + 1e-12, (lengths, L)
@@ -374,7 +375,7 @@ def test_a_synchronous_encoder_answers_each_batch_before_the_next_runs():
         return torch.zeros(ids.shape[0], 2)
 
     async def main():
-        b = EmbeddingBatcher(encode, (4, 8), 1, 64, 0.0)
+        b = EmbeddingBatcher(FunctionRunner(encode), (4, 8), 1, 64, 0.0)
         b.start()
         first = asyncio.ensure_future(b.embed([[1, 1]]))
         second = asyncio.ensure_future(b.embed([[2, 1, 1, 1, 1]]))
@@ -397,8 +398,8 @@ def test_embed_texts_with_tokenizer_processes_matches_the_thread_path():
 
     from conftest import minilm_dir
 
-    from bucketserve.engine.embedding_batcher import embed_texts
-    from bucketserve.models.embedding_tokenizer import EmbeddingTokenizer, TokenizerProcesses
+    from bench.embeddings_gpu import TokenizerProcesses, embed_texts
+    from bucketserve.models.embedding_tokenizer import EmbeddingTokenizer
 
     tok = EmbeddingTokenizer(minilm_dir() / "tokenizer.json", do_lower_case=True)
     rng = random.Random(0)

@@ -17,8 +17,9 @@ import pytest
 import torch
 from conftest import minilm_dir
 
+from bench.embeddings_gpu import embed_texts
 from bucketserve.buckets import load_buckets
-from bucketserve.engine.embedding_batcher import build_batcher, embed_texts
+from bucketserve.engine.embedding_batcher import build_batcher
 from bucketserve.engine.embedding_runner import CudaGraphRunner
 from bucketserve.models.bert_loader import load_embedding_model
 
@@ -74,7 +75,7 @@ def test_every_captured_shape_and_the_eager_fallback(dtype, st32):
     rng = random.Random(0)
     pools, refs = {}, {}
     for i, L in enumerate(spec.boundaries):
-        low, _, high = runner.profiles()[i][0]
+        low, _, high = spec.profile(i)
         pools[L] = [[101] + [rng.randint(1000, 29000)
                              for _ in range(rng.randint(max(low, 3), high) - 2)] + [102]
                     for _ in range(100)]

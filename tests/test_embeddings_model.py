@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from conftest import minilm_dir
 
 from bucketserve.engine.embedding_batcher import EmbeddingBatcher
+from bucketserve.engine.embedding_runner import FunctionRunner
 from bucketserve.models.bert_loader import load_embedding_model
 
 MIN_COSINE = 0.9999
@@ -154,11 +155,11 @@ def test_whole_chunk_check_takes_the_fast_path_only_when_every_text_would(ours):
 
 
 def test_tokenizer_processes_give_the_same_ids(ours):
-    from bucketserve.models.embedding_tokenizer import TokenizerProcesses, unpack
+    from bench.embeddings_gpu import TokenizerProcesses, encode_packed, unpack
 
     texts = ASCII_EDGE_CASES + corpus(200, seed=5)
     want = ours.tokenizer.encode_batch(texts)
-    flat, lengths = ours.tokenizer.encode_packed(texts)
+    flat, lengths = encode_packed(ours.tokenizer, texts)
     assert [v.tolist() for v in unpack(flat, lengths)] == want
     with TokenizerProcesses(ours.tokenizer, 2, threads=1) as procs:
         got = procs.encode_batch(texts)
@@ -224,7 +225,7 @@ def _batched(ours, token_ids, groups, **batcher_kw) -> list[torch.Tensor]:
     """Run `groups` (lists of input indices) as concurrent requests through a batcher."""
 
     async def run():
-        batcher = EmbeddingBatcher(ours.model, pad_token_id=0, **batcher_kw)
+        batcher = EmbeddingBatcher(FunctionRunner(ours.model, 0), **batcher_kw)
         batcher.start()
         try:
             results = await asyncio.gather(
@@ -328,7 +329,7 @@ def test_pooling_modes(tiny_bert_dir, tmp_path, mode, normalize):
     token_ids = loaded.tokenizer.encode_batch(texts)
     got = _batched(loaded, token_ids, [[0, 1, 2, 3]], boundaries=(8, 32, 64, 100),
                    preferred_batch_size=4, max_batch_tokens=1000, max_queue_delay_ms=1.0)
-    assert ref.shape[1] == loaded.embedding_dim
+    assert ref.shape[1] == loaded.model.embedding_dim
     _check(got, ref, texts)
     if not normalize:  # also the scale, not just the direction
         assert torch.allclose(torch.stack(got), ref, atol=1e-4, rtol=1e-4)

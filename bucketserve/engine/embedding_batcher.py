@@ -25,17 +25,16 @@ import logging
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from bucketserve.buckets import BucketsConfig
-from bucketserve.engine.embedding_cost import CostTable
 from bucketserve.engine.embedding_queue import Batch, BucketQueue, batch_capacity, finish_by
-from bucketserve.engine.embedding_runner import CudaGraphRunner, EncodeFn, FunctionRunner, Ticket
+from bucketserve.engine.embedding_runner import CudaGraphRunner, FunctionRunner, Runner, Ticket
 from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.outputs import QueueFullError
 
@@ -49,12 +48,6 @@ QUEUE_DELAY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 # bucket lengths (spread over the boundaries) and batch sizes (1, a quarter and all of cap(L)).
 WARMUP_BUDGET_S = 2.0
 WARMUP_LENGTHS = 4
-
-
-class Runner(Protocol):
-    def launch(self, rows: Sequence[Sequence[int]], length: int) -> Ticket: ...
-
-    def collect(self, ticket: Ticket) -> np.ndarray: ...
 
 
 class QueueTimeoutError(RuntimeError):
@@ -96,16 +89,14 @@ class BatcherStats:
         return 1.0 - self.useful_tokens / self.computed_tokens if self.computed_tokens else 0.0
 
     def record_batch(self, bucket_len: int, lengths: list[int], delays_s: list[float],
-                     merged: bool = False, padded_rows: int | None = None,
-                     computed_len: int | None = None) -> None:
-        """padded_rows: rows computed (a compiled shape's padding rows included; default
-        len(lengths)): they count as computed, not useful, tokens. computed_len: the length
-        the rows were computed at (a trimming runner's longest row; default bucket_len)."""
+                     merged: bool, ticket: Ticket) -> None:
+        """The ticket's rows (a compiled shape's padding rows included) at its length (a
+        trimming runner's longest row) count as computed tokens; `lengths` as useful ones."""
         self.merged_batches += merged
         self.batches_per_bucket[bucket_len] = self.batches_per_bucket.get(bucket_len, 0) + 1
         size = len(lengths)
         self.batch_size_counts[size] = self.batch_size_counts.get(size, 0) + 1
-        self.computed_tokens += (padded_rows or size) * (computed_len or bucket_len)
+        self.computed_tokens += ticket.padded_rows * ticket.length
         self.useful_tokens += sum(lengths)
         self.num_inputs += size
         for d in delays_s:  # slot: the first bucket with d <= its bound, else +Inf
@@ -132,12 +123,13 @@ def resolve_all(done: list[tuple[_Request, list[np.ndarray] | BaseException]]) -
         loops.setdefault(request.loop, []).append((request.future, result))
     for loop, items in loops.items():
         try:
-            loop.call_soon_threadsafe(_resolve_many, items)
+            loop.call_soon_threadsafe(resolve_futures, items)
         except RuntimeError:  # that loop is closed: nobody is waiting any more
             pass
 
 
-def _resolve_many(items: list[tuple[asyncio.Future, list[np.ndarray] | BaseException]]) -> None:
+def resolve_futures(items: list[tuple[asyncio.Future, Any]]) -> None:
+    """In the futures' loop: each one's result, or its exception when the result is one."""
     for future, result in items:
         if future.done():  # the awaiting task was cancelled
             pass
@@ -155,50 +147,30 @@ class _Running:
 
 
 class EmbeddingBatcher:
-    """Queues token-id inputs per length bucket and runs ready buckets on an encoder.
-
-    `encode` is a runner (launch / collect, see embedding_runner.py) or a plain function
-    encode(input_ids [B, Lb] long, attention_mask [B, Lb] bool) -> embeddings [B, D], padding on
-    the right with pad_token_id. max_merged_padding: the merge bound (0 = no merging).
+    """Queues token-id inputs per length bucket and runs ready buckets on a runner (launch /
+    collect, see embedding_runner.py). max_merged_padding: the merge bound (0 = no merging).
     """
 
-    def __init__(
-        self,
-        encode: EncodeFn | Runner,
-        boundaries: tuple[int, ...],
-        preferred_batch_size: int,
-        max_batch_tokens: int,
-        max_queue_delay_ms: float,
-        queue_timeout_s: float = 600.0,
-        max_waiting: int = 1024,
-        policy: str = "priority",
-        pad_token_id: int = 0,
-        max_merged_padding: float = 0.0,
-        latency_slo_ms: float = 0.0,
-    ) -> None:
-        self.runner: Runner = (encode if hasattr(encode, "launch")  # type: ignore[assignment]
-                               else FunctionRunner(encode, pad_token_id))  # type: ignore[arg-type]
+    def __init__(self, runner: Runner, boundaries: tuple[int, ...], preferred_batch_size: int,
+                 max_batch_tokens: int, max_queue_delay_ms: float, queue_timeout_s: float = 600.0,
+                 max_waiting: int = 1024, policy: str = "priority",
+                 max_merged_padding: float = 0.0, latency_slo_ms: float = 0.0) -> None:
+        self.runner = runner
         # A runner with compiled batch sizes (CudaGraphRunner.sizes): batches fit them.
         self.queue = BucketQueue(boundaries, preferred_batch_size, max_batch_tokens,
                                  max_queue_delay_ms / 1000.0, policy == "priority",
                                  max_merged_padding, queue_timeout_s,
-                                 graph_sizes=getattr(self.runner, "sizes", None),
-                                 latency_slo_s=latency_slo_ms / 1000.0, cost=CostTable())
+                                 graph_sizes=getattr(runner, "sizes", None),
+                                 latency_slo_s=latency_slo_ms / 1000.0)
         self.spec = self.queue.spec
-        self.preferred_batch_size = preferred_batch_size
-        self.queue_timeout_s = queue_timeout_s
         self.max_waiting = max_waiting
         self.stats = BatcherStats()
         self.faults: FaultPlan | None = None  # a test's injected failures ("encode" rules)
 
-        self._num_waiting_requests = 0
+        self.num_waiting_requests = 0  # accepted, not yet finished (queued or running)
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-
-    @property
-    def cost(self) -> CostTable:
-        return self.queue.cost
 
     def measure_costs(self, budget_s: float = WARMUP_BUDGET_S) -> int:
         """Start-up (before `start`): time a few shapes into the cost table, smallest first,
@@ -208,7 +180,7 @@ class EmbeddingBatcher:
         picks = sorted({bounds[round(i * (len(bounds) - 1) / max(WARMUP_LENGTHS - 1, 1))]
                         for i in range(WARMUP_LENGTHS)})
         shapes = sorted({(rows, length) for length in picks
-                         for cap in [self.capacity(length)]
+                         for cap in [self.queue.capacity(length)]
                          for rows in (1, max(1, cap // 4), cap)}, key=lambda s: s[0] * s[1])
         t0 = time.monotonic()
         measured = 0
@@ -221,25 +193,11 @@ class EmbeddingBatcher:
                 ticket = self.runner.launch(ids, length)
                 self.runner.collect(ticket)
                 took = time.monotonic() - start
-            self.cost.observe(length, ticket.padded_rows, took)
+            self.queue.cost.observe(length, ticket.padded_rows, took)
             measured += 1
         log.info("embedding cost table: %d of %d shapes timed in %.2f s", measured, len(shapes),
                  time.monotonic() - t0)
         return measured
-
-    @property
-    def max_len(self) -> int:
-        """The longest input the batcher accepts (its last boundary)."""
-        return self.spec.max_len
-
-    @property
-    def num_waiting_requests(self) -> int:
-        """Requests accepted and not yet finished (queued or in a running batch)."""
-        return self._num_waiting_requests
-
-    def capacity(self, bucket_len: int) -> int:
-        """Most inputs in one batch of this bucket."""
-        return self.queue.capacity(bucket_len)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -272,7 +230,7 @@ class EmbeddingBatcher:
         default now), replacing latency_slo_ms for its inputs (embedding_queue point 7)."""
         if not token_id_lists:
             return []
-        max_len = self.max_len
+        max_len = self.spec.max_len
         for i, ids in enumerate(token_id_lists):
             if not 1 <= len(ids) <= max_len:
                 raise ValueError(f"input {i} has {len(ids)} tokens; the batcher takes 1 to "
@@ -283,7 +241,18 @@ class EmbeddingBatcher:
         budget = budget_s if budget_s is not None else self.queue.latency_slo_s
         if budget:  # else the queue's own rule (the SLO from now, or no deadline)
             deadline = finish_by(time.monotonic() if arrival is None else arrival, budget)
-        self._submit(request, token_id_lists, priority, deadline)
+        with self._cond:
+            if self._stopping or not self.is_alive():
+                raise BatcherStoppedError("the embedding batcher is not running")
+            if self.num_waiting_requests >= self.max_waiting:
+                raise QueueFullError(f"{self.num_waiting_requests} embedding requests are "
+                                     "waiting (max_waiting); retry later")
+            moved = self.queue.add(request, token_id_lists, priority, time.monotonic(),
+                                   deadline)
+            self.num_waiting_requests += 1
+            self.stats.num_requests += 1
+            if moved:  # else the worker's wake-up time stands: no thread switch per request
+                self._cond.notify()
         try:
             return await request.future
         except asyncio.CancelledError:
@@ -299,29 +268,14 @@ class EmbeddingBatcher:
         if request.done:
             return
         request.done = True
-        self._num_waiting_requests -= 1
+        self.num_waiting_requests -= 1
         if request.remaining and not isinstance(result, list):
-            self.queue.mark_dead(self.spec.boundaries)  # sweep its queued inputs out
+            self.queue.mark_dead()  # sweep its queued inputs out
         if result is not None:
             if resolved is not None:
                 resolved.append((request, result))
             else:
                 resolve_all([(request, result)])
-
-    def _submit(self, request: _Request, token_id_lists: Sequence[Sequence[int]],
-                priority: int, deadline: float | None = None) -> None:
-        with self._cond:
-            if self._stopping or not self.is_alive():
-                raise BatcherStoppedError("the embedding batcher is not running")
-            if self._num_waiting_requests >= self.max_waiting:
-                raise QueueFullError(f"{self._num_waiting_requests} embedding requests are "
-                                     "waiting (max_waiting); retry later")
-            moved = self.queue.add(request, token_id_lists, priority, time.monotonic(),
-                                   deadline)
-            self._num_waiting_requests += 1
-            self.stats.num_requests += 1
-            if moved:  # else the worker's wake-up time stands: no thread switch per request
-                self._cond.notify()
 
     # ------------------------------------------------------------------ worker thread
     def _run_loop(self) -> None:
@@ -351,7 +305,7 @@ class EmbeddingBatcher:
             now = time.monotonic()
             for request in self.queue.expired(now):
                 self._finish(request, QueueTimeoutError(
-                    f"an input waited over queue_timeout_s={self.queue_timeout_s:g} s in the "
+                    f"an input waited over queue_timeout_s={self.queue.queue_timeout_s:g} s in the "
                     "embedding queue; retry later"))
             batch = self.queue.pop_batch(now)
             if batch is not None or not wait:
@@ -395,8 +349,7 @@ class EmbeddingBatcher:
                 batch, running.ticket.padded_rows, end - running.start, end)
         self.stats.record_batch(batch.length, [item.length for item in batch.items],
                                 [running.start - item.arrival for item in batch.items],
-                                batch.merged, running.ticket.padded_rows,
-                                computed_len=running.ticket.length)
+                                batch.merged, running.ticket)
         resolved: list = []
         with self._cond:
             for r, item in enumerate(batch.items):
@@ -408,34 +361,6 @@ class EmbeddingBatcher:
                 if req.remaining == 0:
                     self._finish(req, req.results, resolved)  # type: ignore[arg-type]
         resolve_all(resolved)
-
-
-async def embed_texts(batcher: EmbeddingBatcher,
-                      tokenize: Callable[[list[str]], Sequence[Sequence[int]]] | Any,
-                      texts: Sequence[str], chunk: int = 1024) -> list[np.ndarray]:
-    """Offline: vectors for many texts, tokenization included, in text order.
-
-    `tokenize` is a function (texts -> token ids per text), run on chunks in order on one
-    helper thread (the tokenizers library encodes a batch on all cores, the GIL released), or
-    a TokenizerProcesses (embedding_tokenizer.py), whose worker processes tokenize several
-    chunks at once and hand back packed arrays. Either way the batcher already encodes the
-    chunks before while later ones are tokenized, so tokenizing and encoding overlap instead
-    of adding up."""
-    import concurrent.futures
-
-    from bucketserve.models.embedding_tokenizer import unpack
-
-    packed = hasattr(tokenize, "submit")  # worker processes: every chunk submitted at once
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
-        futures = [tokenize.submit(part) if packed else pool.submit(tokenize, part)
-                   for part in (list(texts[i:i + chunk]) for i in range(0, len(texts), chunk))]
-
-        async def one(future: concurrent.futures.Future) -> list[np.ndarray]:
-            ids = await asyncio.wrap_future(future)
-            return await batcher.embed(unpack(*ids) if packed else ids)
-
-        parts = await asyncio.gather(*(one(f) for f in futures))
-    return [v for part in parts for v in part]
 
 
 def build_batcher(model: torch.nn.Module, pad_token_id: int, buckets: BucketsConfig
@@ -459,7 +384,7 @@ def build_batcher(model: torch.nn.Module, pad_token_id: int, buckets: BucketsCon
         runner = FunctionRunner(model, pad_token_id, trim=True)  # eager: no bucket padding
     batcher = EmbeddingBatcher(runner, emb.boundaries, size, tokens, emb.max_queue_delay_ms,
                                buckets.queue_timeout_s, buckets.max_waiting, buckets.policy,
-                               pad_token_id, emb.merged_padding(kind), emb.latency_slo_ms)
+                               emb.merged_padding(kind), emb.latency_slo_ms)
     if emb.latency_slo_ms:  # deadlines plan with the table from the first request on
         with torch.inference_mode():
             batcher.measure_costs()

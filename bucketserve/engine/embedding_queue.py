@@ -152,11 +152,6 @@ class _Bucket:
         self.live -= len(items)
         return items
 
-    def put_back(self, item: QueuedInput) -> None:
-        """A taken input, still in its FIFO (nothing drops it before pop_batch returns)."""
-        item.queued = True
-        self.live += 1
-
 
 def _waiting(item: QueuedInput) -> bool:
     return item.queued and not item.request.done
@@ -227,13 +222,6 @@ class BucketQueue:
         self._targets[bucket_len] = (best, version)
         return best
 
-    @property
-    def num_live(self) -> int:
-        return sum(b.live for b in self._buckets.values())
-
-    def live_per_bucket(self) -> dict[int, int]:
-        return {length: b.live for length, b in self._buckets.items() if b.live}
-
     # ------------------------------------------------------------------ adding / removing
     def add(self, request: Any, id_lists: Iterable[Any], priority: int, now: float,
             deadline: float | None = None) -> bool:
@@ -253,9 +241,8 @@ class BucketQueue:
             n = len(ids)
             length = lookup(n)
             bucket = self._buckets[length]
-            fifo = bucket.fifos.setdefault(prio, deque())
             item = QueuedInput(ids, request, index, prio, now, self._seq, n, length, deadline)
-            fifo.append(item)
+            bucket.fifos.setdefault(prio, deque()).append(item)
             if deadline < math.inf:
                 heapq.heappush(bucket.deadlines, (deadline, self._seq, item))
             bucket.live += 1
@@ -264,10 +251,9 @@ class BucketQueue:
             self._seq += 1
         return moved
 
-    def mark_dead(self, bucket_lengths: Iterable[int]) -> None:
-        """A request queued in these buckets finished early: sweep its inputs out of them."""
-        for length in set(bucket_lengths):
-            bucket = self._buckets[length]
+    def mark_dead(self) -> None:
+        """A queued request finished early: sweep its inputs out of every bucket."""
+        for bucket in self._buckets.values():
             bucket.fifos = {p: kept for p, fifo in bucket.fifos.items()
                             if (kept := deque(filter(_waiting, fifo)))}
             bucket.live = sum(map(len, bucket.fifos.values()))
@@ -292,9 +278,6 @@ class BucketQueue:
                      for item in bucket.in_order() if late(item)}.values())
 
     # ------------------------------------------------------------------ choosing a batch
-    def _oldest(self, bucket: _Bucket) -> float | None:
-        return min((h.arrival for h in bucket.heads()), default=None)
-
     def batch_cost(self, length: int, n: int) -> float:
         """Predicted seconds to run n inputs of one bucket: full batches of cap(L), then the
         rest at its padded size (point 7; merging ignored, so an upper bound)."""
@@ -318,15 +301,16 @@ class BucketQueue:
         keep = math.exp(-gap / BUSY_TAU_S)
         return self._busy_s * keep, self._span_s * keep + gap
 
+    def _with_deadlines(self) -> Iterator[tuple[float, int, int]]:
+        """(earliest deadline, length, live inputs) of each bucket holding inputs with one."""
+        for length, bucket in self._buckets.items():
+            if bucket.live and (deadline := bucket.earliest_deadline()) < math.inf:
+                yield deadline, length, bucket.live
+
     def start_times(self, now: float | None = None) -> dict[int, float]:
         """Point 7: the latest start of each bucket that holds inputs with deadlines (with
         `now`, -inf for every bucket while the worker is mostly idle)."""
-        with_deadlines = []  # (earliest deadline, length, live inputs)
-        for length, bucket in self._buckets.items():
-            if bucket.live:
-                deadline = bucket.earliest_deadline()
-                if deadline < math.inf:
-                    with_deadlines.append((deadline, length, bucket.live))
+        with_deadlines = list(self._with_deadlines())
         share = self.busy_share(now) if now is not None else None
         if share is not None and share < WAIT_MIN_BUSY:  # idle worker: no plan needed
             return {length: -math.inf for _, length, _ in with_deadlines}
@@ -383,18 +367,9 @@ class BucketQueue:
     def overloaded(self, now: float) -> bool:
         """Point 9: does the queue hold an input its bucket's next batch, run now, would
         finish after the input's deadline, and more work than the largest budget?"""
-        lost = False
-        for length, bucket in self._buckets.items():
-            if not bucket.live:
-                continue
-            deadline = bucket.earliest_deadline()
-            if deadline == math.inf:
-                continue
-            n = min(bucket.live, self.capacity(length))
-            if now + self.cost.predict(length, self.padded_size(n), n) > deadline:
-                lost = True
-                break
-        if not lost:
+        if not any(now + self.cost.predict(length, self.padded_size(n), n) > deadline
+                   for deadline, length, live in self._with_deadlines()
+                   for n in [min(live, self.capacity(length))]):
             return False
         work = sum(self.batch_cost(length, bucket.live)
                    for length, bucket in self._buckets.items() if bucket.live)
@@ -406,22 +381,18 @@ class BucketQueue:
         if bucket.live >= self.capacity(length):
             return now
         at = starts.get(length, math.inf)
-        if not self.latency_slo_s:
-            at = min(at, oldest + self.max_queue_delay_s)
-        return at
+        return at if self.latency_slo_s else min(at, oldest + self.max_queue_delay_s)
 
     def next_wake(self, now: float) -> float | None:
         """When the earliest not-yet-ready bucket becomes ready (None: nothing queued); a
         value <= now means some bucket is ready. Adding inputs can move it earlier."""
-        wake = None
         starts = self.start_times(now)
+        wakes = []
         for length, bucket in self._buckets.items():
-            oldest = self._oldest(bucket)
-            if oldest is None:
-                continue
-            at = self._ready_at(length, bucket, oldest, now, starts)
-            wake = at if wake is None else min(wake, at)
-        return wake
+            oldest = min((h.arrival for h in bucket.heads()), default=None)
+            if oldest is not None:
+                wakes.append(self._ready_at(length, bucket, oldest, now, starts))
+        return min(wakes, default=None)
 
     def pop_batch(self, now: float) -> Batch | None:
         """The next batch to run (docstring points 2-4, 7), removed from the queue; None when
@@ -439,12 +410,8 @@ class BucketQueue:
                 prio = min(h.priority for h in heads)
                 seq = min(h.seq for h in heads if h.priority == prio)
                 # point 9: under overload a starving bucket (oldest first), then the fullest
-                starve, fill = math.inf, 0.0
-                if overload:
-                    cap = self.target(length)
-                    fill = -min(bucket.live, cap) / cap
-                    if oldest <= starving:
-                        starve = oldest
+                starve = oldest if overload and oldest <= starving else math.inf
+                fill = -min(bucket.live, cap := self.target(length)) / cap if overload else 0.0
                 key = (prio, starve, fill, bucket.earliest_deadline(), seq)
                 if best is None or key < best[0]:
                     best = (key, length)
@@ -452,7 +419,8 @@ class BucketQueue:
             return None
         length = best[1]
         limit = self.batch_limit(length, overload)
-        items = self._take(length, limit)
+        bucket = self._buckets[length]  # up to `limit` inputs, best first
+        items = bucket.take(itertools.islice(bucket.in_order(), limit))
         batch = Batch(length, items)
         if len(items) < limit and self.max_merged_padding > 0:
             self._merge(batch, overload)
@@ -483,16 +451,12 @@ class BucketQueue:
         if down is None:
             return
         kept, back = batch.items[:down], batch.items[down:]
-        for item in back:  # they run next, in their own order
-            self._buckets[item.bucket].put_back(item)
+        for item in back:  # still in their FIFOs (nothing drops them before pop_batch
+            item.queued = True  # returns): they run next, in their own order
+            self._buckets[item.bucket].live += 1
         batch.items = kept
         batch.length = max(item.bucket for item in kept)
         batch.merged = any(item.bucket != batch.length for item in kept)
-
-    def _take(self, length: int, n: int) -> list[QueuedInput]:
-        """Up to n live inputs of one bucket, best first (priority, then arrival)."""
-        bucket = self._buckets[length]
-        return bucket.take(itertools.islice(bucket.in_order(), n))
 
     def _merge(self, batch: Batch, overload: bool = False) -> None:
         """Tops the batch up with other buckets' inputs within the padding bound (point 4)."""

@@ -134,10 +134,9 @@ class CudaGraphRunner:
         self.shape_set = set(self.shapes)
         dim = model.embedding_dim
         # Most rows any batch can have: the largest capacity, or the largest graph size.
-        max_rows = max(max(capacity(b) for b in spec.boundaries),
-                       max(b for b, _ in self.shapes))
+        self.max_rows = max_rows = max(max(capacity(b) for b in spec.boundaries),
+                                       max(b for b, _ in self.shapes))
         width = spec.max_len + 1
-        self.max_rows = max_rows
         cuda = self.device.type == "cuda"
         self.asynchronous = cuda  # launch only enqueues device work; collect waits for it
         self.stream = torch.cuda.Stream(self.device) if cuda else None
@@ -156,20 +155,10 @@ class CudaGraphRunner:
         self.report: CaptureReport | None = None
         self.num_graph_batches = 0  # batches at a captured shape (CPU: at a padded shape)
         self.num_eager_batches = 0  # batches above the largest captured size
-        self.shape_log: list[tuple[int, int]] | None = None  # a list: launch appends (rows, L)
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return (torch.cuda.stream(self.stream) if self.stream is not None
                 else contextlib.nullcontext())
-
-    def profiles(self) -> list[tuple[tuple[int, int, int], list[int]]]:
-        """Per bucket: its (min, opt, max) length profile (from BucketSpec) and the batch
-        sizes captured for it, smallest first: what a TensorRT builder would build."""
-        out = []
-        for i, length in enumerate(self.spec.boundaries):
-            sizes = sorted(b for b, L in self.shapes if L == length)
-            out.append((self.spec.profile(i), sizes))
-        return out
 
     # ------------------------------------------------------------------ forward over statics
     def _forward(self, rows: int, length: int) -> None:
@@ -242,8 +231,6 @@ class CudaGraphRunner:
                 graph.replay()
             else:
                 self._forward(padded, length)
-            if self.shape_log is not None:
-                self.shape_log.append((padded, length))
             if (padded, length) in self.shape_set:
                 self.num_graph_batches += 1
             else:
@@ -257,3 +244,6 @@ class CudaGraphRunner:
         if ticket.event is not None:
             ticket.event.synchronize()
         return self._host_out_np[ticket.slot][: ticket.rows].copy()
+
+
+Runner = FunctionRunner | CudaGraphRunner

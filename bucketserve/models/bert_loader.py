@@ -43,10 +43,6 @@ class LoadedEncoder:
     max_seq_length: int  # longest accepted input in tokens, special tokens included
     path: Path
 
-    @property
-    def embedding_dim(self) -> int:
-        return self.model.embedding_dim
-
 
 def resolve_embedding_model(name_or_path: str) -> tuple[str, Path]:
     """(served model name, directory) for a registry name or an HF directory."""
@@ -65,11 +61,9 @@ def _read_json(path: Path) -> dict:
 def read_pooling(model_dir: Path) -> tuple[tuple[str, ...], bool]:
     """(pooling modes, normalize) from the sentence-transformers modules of model_dir."""
     modules_file = model_dir / "modules.json"
-    if not modules_file.is_file():
-        return ("mean",), False
     modes: tuple[str, ...] = ("mean",)
     normalize = False
-    for module in _read_json(modules_file):
+    for module in _read_json(modules_file) if modules_file.is_file() else []:
         kind = module["type"].rsplit(".", 1)[-1]
         if kind not in _ST_MODULES:
             raise ValueError(f"sentence-transformers module {module['type']} in {modules_file} is "
@@ -107,32 +101,32 @@ def _config_and_weights(model_dir: Path) -> tuple[BertConfig, dict[str, torch.Te
     return cfg, load_file(str(weights))
 
 
-def _fused_state_dict(raw: dict[str, torch.Tensor], cfg: BertConfig) -> dict[str, torch.Tensor]:
-    """HF BertModel weight names -> BertEncoder names, with q/k/v fused into qkv."""
+# BertEncoder layer names <- HF BertModel's (query, key and value are fused into qkv)
+_LAYER_NAMES = {"attn_out": "attention.output.dense", "attn_norm": "attention.output.LayerNorm",
+                "ffn_in": "intermediate.dense", "ffn_out": "output.dense",
+                "ffn_norm": "output.LayerNorm"}
+
+
+def _load_encoder(model: BertEmbeddingModel | BertCrossEncoder, raw: dict[str, torch.Tensor],
+                  cfg: BertConfig) -> None:
+    """The HF BertModel weights into model.encoder, with q/k/v fused into qkv."""
     sd = {(k[len("bert."):] if k.startswith("bert.") else k): v for k, v in raw.items()}
-    out: dict[str, torch.Tensor] = {}
-    for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
-        out[f"embeddings.{name}.weight"] = sd[f"embeddings.{name}.weight"]
-    for p in ("weight", "bias"):
-        out[f"embeddings.LayerNorm.{p}"] = sd[f"embeddings.LayerNorm.{p}"]
+    names = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm")
+    out = {k: sd[k] for k in [f"embeddings.{n}.weight" for n in names]
+           + ["embeddings.LayerNorm.bias"]}
     for i in range(cfg.num_layers):
         src, dst = f"encoder.layer.{i}.", f"layers.{i}."
         for p in ("weight", "bias"):
             out[dst + f"qkv.{p}"] = torch.cat(
                 [sd[src + f"attention.self.{n}.{p}"] for n in ("query", "key", "value")])
-            out[dst + f"attn_out.{p}"] = sd[src + f"attention.output.dense.{p}"]
-            out[dst + f"attn_norm.{p}"] = sd[src + f"attention.output.LayerNorm.{p}"]
-            out[dst + f"ffn_in.{p}"] = sd[src + f"intermediate.dense.{p}"]
-            out[dst + f"ffn_out.{p}"] = sd[src + f"output.dense.{p}"]
-            out[dst + f"ffn_norm.{p}"] = sd[src + f"output.LayerNorm.{p}"]
-    return out
+            out.update({dst + f"{ours}.{p}": sd[src + f"{hf}.{p}"]
+                        for ours, hf in _LAYER_NAMES.items()})
+    model.encoder.load_state_dict(out, strict=True)
 
 
-def load_embedding_model(
-    name_or_path: str = DEFAULT_EMBEDDING_MODEL,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> LoadedEncoder:
+def load_embedding_model(name_or_path: str = DEFAULT_EMBEDDING_MODEL,
+                         device: str | torch.device = "cpu",
+                         dtype: torch.dtype = torch.float32) -> LoadedEncoder:
     """Load encoder weights, tokenizer, pooling and max_seq_length from an HF directory."""
     name, model_dir = resolve_embedding_model(name_or_path)
     cfg, raw = _config_and_weights(model_dir)
@@ -142,7 +136,7 @@ def load_embedding_model(
     max_seq_length = min(int(st_cfg.get("max_seq_length") or cfg.max_position_embeddings),
                          cfg.max_position_embeddings)
     model = BertEmbeddingModel(cfg, pooling=pooling, normalize=normalize)
-    model.encoder.load_state_dict(_fused_state_dict(raw, cfg), strict=True)
+    _load_encoder(model, raw, cfg)
     model = model.to(device=device, dtype=dtype).eval()
     model.pack_cpu_weights()  # after .to(): packs the final weights; no-op off float32 CPU
 
@@ -165,7 +159,7 @@ def load_cross_encoder(path: str | Path, device: str | torch.device = "cpu",
         raise ValueError(f"{model_dir}: the tokenizer has no [CLS] / [SEP] token")
     num_labels = raw["classifier.weight"].shape[0]
     model = BertCrossEncoder(cfg, sep_id, num_labels)
-    model.encoder.load_state_dict(_fused_state_dict(raw, cfg), strict=True)
+    _load_encoder(model, raw, cfg)
     for module, prefix in ((model.pooler, "bert.pooler.dense."), (model.classifier, "classifier.")):
         module.load_state_dict({p: raw[prefix + p] for p in ("weight", "bias")})
     model = model.to(device=device, dtype=dtype).eval()

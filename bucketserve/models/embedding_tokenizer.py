@@ -1,24 +1,16 @@
-"""Tokenization for the embedding encoder, without torch (worker processes import only this).
+"""Tokenization for the embedding encoder, without torch (the offline benchmark's tokenizer
+worker processes import only this, bench/embeddings_gpu.py TokenizerProcesses).
 
 `EmbeddingTokenizer` wraps a tokenizers.Tokenizer (tokenizer.json) for BERT-family encoders.
-`TokenizerProcesses` runs it in worker processes for offline work (embed_texts): each worker
-tokenizes a chunk of texts and hands back one packed int32 array, so the Python objects a
-tokenization makes (one int per token id) are made in the workers, not in the process that
-runs the batcher, whose one GIL the batcher's own host work needs.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import itertools
 import json
-import multiprocessing
-import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 from tokenizers import Tokenizer
 
 # ASCII control characters BertNormalizer's clean_text removes (tab, newline, return stay: they
@@ -135,83 +127,9 @@ class EmbeddingTokenizer:
             out.append(self._tok.post_process(enc).ids)
         return out
 
-    def encode_packed(self, texts: list[str], max_length: int | None = None
-                      ) -> tuple[np.ndarray, np.ndarray]:
-        """encode_batch as (every text's ids one after the other, int32; lengths, int64)."""
-        ids = self.encode_batch(texts, max_length)
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32,
-                           count=int(lengths.sum()))
-        return flat, lengths
-
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-
-def unpack(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
-    """encode_packed's result as one 1-D int32 view per text."""
-    ends = np.cumsum(lengths).tolist()
-    starts = [0] + ends[:-1]
-    return [flat[a:b] for a, b in zip(starts, ends, strict=True)]
-
-
-# ------------------------------------------------------------------ worker processes
-_WORKER: EmbeddingTokenizer | None = None
-
-
-def _worker_init(path: str, do_lower_case: bool, threads: int) -> None:
-    global _WORKER
-    # tokenizers' Rust thread pool starts at the first parallel encode and reads this then
-    os.environ["RAYON_NUM_THREADS"] = str(threads)
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
-    _WORKER = EmbeddingTokenizer(path, do_lower_case)
-
-
-def _worker_encode(texts: list[str], max_length: int | None) -> tuple[np.ndarray, np.ndarray]:
-    assert _WORKER is not None
-    return _WORKER.encode_packed(texts, max_length)
-
-
-class TokenizerProcesses:
-    """EmbeddingTokenizer in `processes` worker processes (spawned, `threads` Rust threads
-    each): `submit(texts)` gives a concurrent Future of encode_packed's (flat, lengths).
-    For offline embedding (embed_texts takes it in place of a tokenize function); start-up
-    costs a process start per worker, so build it once and `close` it at the end."""
-
-    def __init__(self, tokenizer: EmbeddingTokenizer, processes: int,
-                 threads: int | None = None) -> None:
-        if processes < 1:
-            raise ValueError(f"processes must be >= 1, got {processes}")
-        cores = os.cpu_count() or 1
-        self.processes = processes
-        self.threads = threads or max(1, cores // processes)
-        self._pool = concurrent.futures.ProcessPoolExecutor(
-            processes, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_worker_init,
-            initargs=(str(tokenizer.path), tokenizer.do_lower_case, self.threads))
-        # start every worker now (not at the first timed chunk)
-        warm = [self._pool.submit(_worker_encode, ["warm up"], None) for _ in range(processes)]
-        for f in warm:
-            f.result()
-
-    def submit(self, texts: Sequence[str], max_length: int | None = None
-               ) -> concurrent.futures.Future:
-        return self._pool.submit(_worker_encode, list(texts), max_length)
-
-    def encode_batch(self, texts: list[str], max_length: int | None = None) -> list[np.ndarray]:
-        return unpack(*self.submit(texts, max_length).result())
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def __enter__(self) -> TokenizerProcesses:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

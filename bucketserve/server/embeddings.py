@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import email.message
+import itertools
 import json
 import logging
 import math
@@ -27,7 +28,6 @@ import time
 from collections.abc import Awaitable, Iterator
 from typing import Annotated, Any, Literal
 
-import anyio
 import msgspec
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import Field, ValidationError, model_validator
+from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from bucketserve.buckets import BucketsConfig, load_buckets
@@ -46,6 +47,7 @@ from bucketserve.engine.embedding_batcher import (
     EncoderError,
     QueueTimeoutError,
     build_batcher,
+    resolve_futures,
 )
 from bucketserve.engine.embedding_runner import CudaGraphRunner
 from bucketserve.engine.faults import FaultPlan
@@ -186,13 +188,7 @@ class CoalescingTokenizer:
             jobs = [job for job in self._pending if not job[2].done()]  # cancelled: dropped
             self._pending = []
             results = await asyncio.to_thread(self._run, jobs)
-            for (_, _, future), result in zip(jobs, results, strict=True):
-                if future.done():
-                    continue
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+            resolve_futures([(job[2], r) for job, r in zip(jobs, results, strict=True)])
 
     def _run(self, jobs: list[_Job]) -> list:
         """In the helper thread: per job, its token ids or the exception it raised."""
@@ -201,51 +197,17 @@ class CoalescingTokenizer:
         for i, (_, max_len, _) in enumerate(jobs):
             groups.setdefault(max_len, []).append(i)
         for max_len, members in groups.items():
-            texts = [t for i in members for t in jobs[i][0]]
             try:
-                ids = self._encode(texts, max_len)
+                ids = iter(self._encode([t for i in members for t in jobs[i][0]], max_len))
+                for i in members:
+                    results[i] = list(itertools.islice(ids, len(jobs[i][0])))
             except Exception:  # find whose: one call per request of this group
                 for i in members:
                     try:
                         results[i] = self._encode(jobs[i][0], max_len)
                     except Exception as exc:
                         results[i] = exc
-                continue
-            start = 0
-            for i in members:
-                n = len(jobs[i][0])
-                results[i] = ids[start:start + n]
-                start += n
         return results
-
-
-class _Watched:
-    __slots__ = ("receive", "since", "gone")
-
-    def __init__(self, receive: Receive, since: float) -> None:
-        self.receive = receive
-        self.since = since
-        self.gone = False
-
-
-async def _disconnected(receive: Receive) -> bool:
-    """Whether the client has gone, without waiting (as starlette's Request.is_disconnected)."""
-    message: dict = {}
-    with anyio.CancelScope() as scope:
-        scope.cancel()
-        message = await receive()  # type: ignore[assignment]
-    return message.get("type") == "http.disconnect"
-
-
-class _Endpoint:
-    """POST /v1/embeddings as a plain ASGI app (a class instance: starlette's Route calls it
-    as it is, without its request/response wrapping)."""
-
-    def __init__(self, service: EmbeddingService) -> None:
-        self.service = service
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.service.handle(scope, receive, send)
 
 
 class BatcherStatsCollector(Collector):
@@ -267,7 +229,7 @@ class BatcherStatsCollector(Collector):
         sizes = dict(s.batch_size_counts)
         yield HistogramMetricFamily("bucketserve_embedding_batch_size",
                                     "Inputs per encoder batch.",
-                                    buckets=size_buckets(sizes, b.preferred_batch_size),
+                                    buckets=size_buckets(sizes, b.queue.preferred_batch_size),
                                     sum_value=sum(n * c for n, c in sizes.items()))
         yield HistogramMetricFamily("bucketserve_embedding_queue_delay_seconds",
                                     "Time an input waited in its bucket before its batch ran.",
@@ -305,7 +267,7 @@ class EncoderService:
         self.model_name = loaded.name
         self.batcher = build_batcher(loaded.model, loaded.config.pad_token_id, buckets)
         # Longest input served: the model's limit, or a smaller last bucket from the user's file.
-        self.max_input_tokens = min(loaded.max_seq_length, self.batcher.max_len)
+        self.max_input_tokens = min(loaded.max_seq_length, self.batcher.spec.max_len)
         self.router = APIRouter()
 
     async def start(self) -> None:
@@ -338,19 +300,19 @@ class EmbeddingService(EncoderService):
                  faults: FaultPlan | None = None) -> None:
         """`faults`: a test's injected encoder failures (engine/faults.py)."""
         super().__init__(loaded, buckets)
-        runner = self.batcher.runner
-        self.graphs = runner if isinstance(runner, CudaGraphRunner) else None
         self.batcher.faults = faults
         self.max_inputs = buckets.embedding.max_inputs_per_request
         self.queue_timeout_s = buckets.queue_timeout_s
         self.metrics_collector = BatcherStatsCollector(self.batcher)
         self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
-        self._watching: dict[asyncio.Task, _Watched] = {}
+        self._watching: dict[asyncio.Task, tuple[Request, float]] = {}  # (client, since)
         self._watcher: asyncio.Future | None = None
-        self.router.add_route("/v1/embeddings", _Endpoint(self), methods=["POST"])
+        # the service as a plain ASGI app (a class instance: starlette's Route calls it as it
+        # is, without its request/response wrapping)
+        self.router.add_route("/v1/embeddings", self, methods=["POST"])
 
-    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """One request, from its ASGI messages to its response."""
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """POST /v1/embeddings: one request, from its ASGI messages to its response."""
         chunks = []
         while True:
             message = await receive()
@@ -375,7 +337,7 @@ class EmbeddingService(EncoderService):
             request_log = getattr(getattr(ctx, "metrics", None), "request_log", None)
             # a client gone drops its inputs that are still queued (batcher.embed)
             content = await self._watched(self.create(request, request_log, deadline),
-                                          receive)
+                                          Request(scope, receive))
         except APIError as err:
             await err.response()(scope, receive, send)
             return
@@ -391,25 +353,24 @@ class EmbeddingService(EncoderService):
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 
-    async def _watched(self, awaitable: Awaitable[bytes], receive: Receive) -> bytes:
+    async def _watched(self, awaitable: Awaitable[bytes], client: Request) -> bytes:
         """Awaits in this task; the service's watcher cancels it when its client goes away
         (then ClientGone)."""
         task = asyncio.current_task()
         assert task is not None
-        entry = _Watched(receive, time.monotonic())
-        self._watching[task] = entry
+        self._watching[task] = (client, time.monotonic())
         watcher = self._watcher
         if watcher is None or watcher.done() or watcher.get_loop() is not task.get_loop():
             self._watcher = asyncio.ensure_future(self._watch_clients())
         try:
             return await awaitable
         except asyncio.CancelledError:
-            if entry.gone:
+            if task not in self._watching:  # the watcher found its client gone
                 task.uncancel()
                 raise ClientGone() from None
             raise
         finally:
-            del self._watching[task]
+            self._watching.pop(task, None)
 
     async def _watch_clients(self) -> None:
         """Every DISCONNECT_POLL_S while requests are in flight: cancels those whose client
@@ -420,11 +381,10 @@ class EmbeddingService(EncoderService):
             if not self._watching:
                 break
             now = time.monotonic()
-            for task, entry in list(self._watching.items()):
-                if entry.gone or now - entry.since < DISCONNECT_POLL_S or task.done():
-                    continue
-                if await _disconnected(entry.receive):
-                    entry.gone = True
+            for task, (client, since) in list(self._watching.items()):
+                if now - since >= DISCONNECT_POLL_S and not task.done() \
+                        and await client.is_disconnected():
+                    self._watching.pop(task, None)
                     task.cancel()
         if self._watcher is me:
             self._watcher = None
@@ -439,11 +399,11 @@ class EmbeddingService(EncoderService):
         token_ids = await self._token_ids(body)
         vectors = await self.encode(token_ids, priority=body.priority, budget_s=budget_s,
                                     arrival=arrival)
-        used = sum(len(ids) for ids in token_ids)
+        lengths = [len(ids) for ids in token_ids]
+        used = sum(lengths)
         if request_log is not None:
-            lengths = [len(ids) for ids in token_ids]
-            spec = self.batcher.spec
-            request_log.record_embeddings(arrival, lengths, [spec.lookup(n) for n in lengths])
+            lookup = self.batcher.spec.lookup
+            request_log.record_embeddings(arrival, lengths, [lookup(n) for n in lengths])
         args = (vectors, body.encoding_format, self.model_name, used)
         if len(vectors) <= _INLINE_RENDER_MAX:
             return _render(*args)
@@ -455,7 +415,7 @@ class EmbeddingService(EncoderService):
             raise APIError(404, f"the model {body.model!r} does not exist here; /v1/embeddings "
                            f"serves {self.model_name!r} (see GET /v1/models)",
                            "invalid_request_error", "model", "model_not_found")
-        dim = self.loaded.embedding_dim
+        dim = self.loaded.model.embedding_dim
         if body.dimensions is not None and body.dimensions != dim:
             raise invalid_request(f"{self.model_name} returns {dim}-dimensional vectors and "
                                   f"cannot shorten them; omit dimensions or set it to {dim}",
@@ -533,9 +493,7 @@ def _is_token_id(x: Any) -> bool:
 
 def parse_input(inp: Any) -> list[str] | list[list[int]]:
     """The request's `input` as a non-empty list of strings or of token-id lists."""
-    if isinstance(inp, str):
-        inp = [inp]
-    elif isinstance(inp, list) and inp and _is_token_id(inp[0]):
+    if isinstance(inp, str) or (isinstance(inp, list) and inp and _is_token_id(inp[0])):
         inp = [inp]
     if not isinstance(inp, list):
         raise invalid_request(f"input must be {_INPUT_KINDS}; got {type(inp).__name__}", "input")
@@ -543,11 +501,8 @@ def parse_input(inp: Any) -> list[str] | list[list[int]]:
         raise invalid_request(f"input is empty; send {_INPUT_KINDS}", "input")
     strings = isinstance(inp[0], str)
     for i, item in enumerate(inp):
-        if strings:
-            ok = isinstance(item, str)
-        else:
-            ok = isinstance(item, list) and all(_is_token_id(t) for t in item)
-        if not ok:
+        if not (isinstance(item, str) if strings
+                else isinstance(item, list) and all(map(_is_token_id, item))):
             kind = "a string" if strings else "a list of non-negative integer token ids"
             raise invalid_request(f"input[{i}] must be {kind} like input[0] (input must be "
                                   f"{_INPUT_KINDS}); got {json.dumps(item)[:60]}", "input")
@@ -557,16 +512,11 @@ def parse_input(inp: Any) -> list[str] | list[list[int]]:
     return inp
 
 
-def base64_rows(mat: np.ndarray) -> list[str]:
-    """OpenAI's base64 encoding of each row of mat [N, D]: the row's little-endian float32
-    bytes (see base64_rows_bytes)."""
-    return [row.decode("ascii") for row in base64_rows_bytes(mat)]
-
-
 def base64_rows_bytes(mat: np.ndarray) -> list[bytes]:
-    """base64_rows as ASCII bytes. When a row is a multiple of 3 bytes (D % 3 == 0: 384,
-    768, ...), base64 of the whole matrix splits exactly at row boundaries: one encode for
-    the batch, then slices."""
+    """OpenAI's base64 encoding of each row of mat [N, D] (the row's little-endian float32
+    bytes), as ASCII bytes. When a row is a multiple of 3 bytes (D % 3 == 0: 384, 768, ...),
+    base64 of the whole matrix splits exactly at row boundaries: one encode for the batch,
+    then slices."""
     mat = np.ascontiguousarray(mat, dtype="<f4")
     row_bytes = mat.shape[1] * 4
     if row_bytes % 3:
@@ -599,7 +549,8 @@ def build_add_on(model: str = "all-minilm-l6-v2", device: str = "cpu",
     on CUDA this captures the encoder's graphs (logged: how many, how long, how much memory)."""
     loaded = load_embedding_model(model, device=device, dtype=dtype)
     service = EmbeddingService(loaded, buckets if buckets is not None else load_buckets(), faults)
-    if service.graphs is None:  # one tiny forward: the first request pays no lazy set-up
+    if not isinstance(service.batcher.runner, CudaGraphRunner):  # one tiny forward: the
+        # first request pays no lazy set-up
         ids = torch.zeros((1, service.batcher.spec.boundaries[0]), dtype=torch.long,
                           device=device)
         loaded.model(ids, torch.ones_like(ids, dtype=torch.bool))
