@@ -110,6 +110,9 @@ def add_ray_options(s: argparse.ArgumentParser) -> None:
                         "power-of-two-choices (e.g. ray.serve.llm.request_router:"
                         "PrefixCacheAffinityRouter, which needs ray[llm]; it reads the prompt "
                         "the ingress hands along)")
+    g.add_argument("--ingress-replicas", type=_positive_int, default=1, metavar="N",
+                   help="with --replicas: replicas of the ingress deployment (each one "
+                        "process that forwards requests and their streams to the engines)")
     g.add_argument("--proxy-location", choices=("HeadOnly", "EveryNode"), default=None,
                    help="with --replicas: where Ray Serve runs HTTP proxies; default HeadOnly "
                         "for a local Ray instance, EveryNode with --ray-address")

@@ -115,6 +115,10 @@ def prompt_text(body: bytes) -> str:
 class EngineReplica:
     """One engine (core process, KV pool, buckets) and the single server's FastAPI app."""
 
+    # seconds `asgi` waits after a message for more before it yields them (0: it yields what
+    # is queued at once; bench/ray_stream_cpu.py measures both)
+    batch_wait_s: float = 0.0
+
     async def __init__(self, args: dict[str, Any], hub: DeploymentHandle) -> None:
         from bucketserve.server.app import create_app
         from bucketserve.server.context import ServerContext
@@ -147,9 +151,12 @@ class EngineReplica:
                 log.debug("metrics push failed: %s", exc)
             await asyncio.sleep(PUSH_S)
 
-    async def asgi(self, request: Forwarded) -> AsyncIterator[Message]:
-        """Runs the app on one request; yields the ASGI messages it sends. The caller going
-        away (Ray cancels this generator) is a client disconnect for the app."""
+    async def asgi(self, request: Forwarded) -> AsyncIterator[list[Message]]:
+        """Runs the app on one request; yields the ASGI messages it sends, in lists: every
+        message queued when the caller's turn comes (one Ray streaming item per list, not
+        per SSE event: under load one item carries many tokens; a lone stream still gets
+        each token at once). The caller going away (Ray cancels this generator) is a client
+        disconnect for the app."""
         queue: asyncio.Queue[Message | None] = asyncio.Queue()
         gone = asyncio.Event()
         body_given = False
@@ -168,8 +175,17 @@ class EngineReplica:
         task = asyncio.create_task(self.app(request.scope, receive, send))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
-            while (message := await queue.get()) is not None:
-                yield message
+            done = False
+            while not done:
+                batch = [await queue.get()]
+                if self.batch_wait_s > 0 and batch[0] is not None:
+                    await asyncio.sleep(self.batch_wait_s)
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                done = batch[-1] is None  # None comes last: the app has returned
+                messages = [m for m in batch if m is not None]
+                if messages:
+                    yield messages
         finally:
             gone.set()
             if not task.done():
@@ -265,7 +281,9 @@ class Ingress:
                 (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
             await send({"type": "http.response.body", "body": merge_metrics(texts)})
             return
-        request = Forwarded(forwarded_scope(scope), body, prompt_text(body))
+        # the prompt is only for a prefix-aware router: no JSON decode without one
+        prompt = prompt_text(body) if self.args.request_router else ""
+        request = Forwarded(forwarded_scope(scope), body, prompt)
         for attempt in range(1, RETRIES + 1):
             started = await self.forward_once(request, scope, receive, send,
                                               last=attempt == RETRIES)
@@ -283,12 +301,13 @@ class Ingress:
         stream = self.engine.remote(request)
         started = sse = False
         try:
-            async for message in stream:
-                if message["type"] == "http.response.start":
-                    started = True
-                    sse = any(k == b"content-type" and v.startswith(b"text/event-stream")
-                              for k, v in message.get("headers", []))
-                await send(message)
+            async for batch in stream:
+                for message in merge_bodies(batch):
+                    if message["type"] == "http.response.start":
+                        started = True
+                        sse = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                                  for k, v in message.get("headers", []))
+                    await send(message)
         except BackPressureError:
             if started:
                 raise
@@ -312,6 +331,28 @@ class Ingress:
         finally:
             stream.cancel()
         return True
+
+
+def merge_bodies(batch: list[Message]) -> list[Message]:
+    """`batch` with each run of consecutive `http.response.body` messages made one (bodies
+    joined, `more_body` of the run's last): one send to Ray's proxy per run, not per SSE
+    event. The bytes the client gets are the same."""
+    out: list[Message] = []
+    run: list[Message] = []  # the bodies since the last other message
+    for message in [*batch, None]:
+        if message is not None and message["type"] == "http.response.body":
+            run.append(message)
+            continue
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            out.append({"type": "http.response.body",
+                        "body": b"".join(m.get("body", b"") for m in run),
+                        "more_body": run[-1].get("more_body", False)})
+        run = []
+        if message is not None:
+            out.append(message)
+    return out
 
 
 async def lifespan(receive: Receive, send: Send) -> None:
@@ -367,7 +408,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     engine = serve.deployment(EngineReplica).options(**options).bind(vars(ns), hub)
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         # the ingress only forwards: it must never be the bottleneck
-        max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
+        num_replicas=ns.ingress_replicas, max_ongoing_requests=100_000,
+        ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine, hub, vars(ns))
 
 
