@@ -224,11 +224,11 @@ def test_autoscaling_bounds_alone_select_ray_and_are_checked(capsys) -> None:
     assert "--min-replicas 3 is over --max-replicas 2" in capsys.readouterr().err
 
 
-def replica_items(app) -> list[list[dict]]:
+def replica_items(app, batch_wait_s: float = 0.0) -> list[list[dict]]:
     """The items EngineReplica.asgi yields for one request to `app` (no Ray: the method on
     a bare instance)."""
     replica = object.__new__(EngineReplica)
-    replica.app = app
+    replica.app, replica.batch_wait_s = app, batch_wait_s
     request = Forwarded({"type": "http", "method": "POST", "path": "/"}, b"{}")
 
     async def run():
@@ -256,3 +256,19 @@ def test_a_lone_stream_gets_each_event_as_it_comes() -> None:
             await send(CHUNK)
 
     assert replica_items(paced) == [[START], [CHUNK], [CHUNK], [CHUNK]]
+
+
+def test_after_the_first_token_a_batch_collects_what_comes_within_the_wait() -> None:
+    """--stream-batch-ms: the start and the first event go at once (TTFT), later events
+    are held up to the wait and go together."""
+    last = {**CHUNK, "more_body": False}
+
+    async def paced(scope, receive, send):
+        await send(START)
+        await asyncio.sleep(0.01)
+        await send(CHUNK)
+        for message in (CHUNK, CHUNK, last):
+            await asyncio.sleep(0.01)
+            await send(message)
+
+    assert replica_items(paced, batch_wait_s=0.5) == [[START], [CHUNK], [CHUNK, CHUNK, last]]

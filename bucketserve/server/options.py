@@ -113,6 +113,11 @@ def add_ray_options(s: argparse.ArgumentParser) -> None:
     g.add_argument("--ingress-replicas", type=_positive_int, default=1, metavar="N",
                    help="with --replicas: replicas of the ingress deployment (each one "
                         "process that forwards requests and their streams to the engines)")
+    g.add_argument("--stream-batch-ms", type=float, default=2.0, metavar="MS",
+                   help="with --replicas: a replica sends a stream's SSE events to the ingress "
+                        "in batches, each what the engine produced within MS of the batch's "
+                        "first event (the first token goes at once; 0: no waiting, only what "
+                        "is already queued)")
     g.add_argument("--proxy-location", choices=("HeadOnly", "EveryNode"), default=None,
                    help="with --replicas: where Ray Serve runs HTTP proxies; default HeadOnly "
                         "for a local Ray instance, EveryNode with --ray-address")

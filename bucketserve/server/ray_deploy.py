@@ -115,10 +115,6 @@ def prompt_text(body: bytes) -> str:
 class EngineReplica:
     """One engine (core process, KV pool, buckets) and the single server's FastAPI app."""
 
-    # seconds `asgi` waits after a message for more before it yields them (0: it yields what
-    # is queued at once; bench/ray_stream_cpu.py measures both)
-    batch_wait_s: float = 0.0
-
     async def __init__(self, args: dict[str, Any], hub: DeploymentHandle) -> None:
         from bucketserve.server.app import create_app
         from bucketserve.server.context import ServerContext
@@ -126,6 +122,7 @@ class EngineReplica:
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         ns = serve_args(args)
+        self.batch_wait_s = ns.stream_batch_ms / 1e3
         logging.getLogger("bucketserve").setLevel(ns.log_level.upper())
         # Loading blocks for a while: off the replica's event loop, which answers Ray.
         engine, buckets = await asyncio.to_thread(load_engine, ns)
@@ -152,11 +149,11 @@ class EngineReplica:
             await asyncio.sleep(PUSH_S)
 
     async def asgi(self, request: Forwarded) -> AsyncIterator[list[Message]]:
-        """Runs the app on one request; yields the ASGI messages it sends, in lists: every
-        message queued when the caller's turn comes (one Ray streaming item per list, not
-        per SSE event: under load one item carries many tokens; a lone stream still gets
-        each token at once). The caller going away (Ray cancels this generator) is a client
-        disconnect for the app."""
+        """Runs the app on one request; yields the ASGI messages it sends, in lists (one Ray
+        streaming item per list, not per SSE event): after the first body message, a list
+        holds what the app sent within `batch_wait_s` (--stream-batch-ms) of its first
+        message; the start and the first body (the first token) go at once. The caller
+        going away (Ray cancels this generator) is a client disconnect for the app."""
         queue: asyncio.Queue[Message | None] = asyncio.Queue()
         gone = asyncio.Event()
         body_given = False
@@ -175,16 +172,17 @@ class EngineReplica:
         task = asyncio.create_task(self.app(request.scope, receive, send))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
-            done = False
+            done = body_sent = False
             while not done:
                 batch = [await queue.get()]
-                if self.batch_wait_s > 0 and batch[0] is not None:
+                if body_sent and self.batch_wait_s > 0 and batch[0] is not None:
                     await asyncio.sleep(self.batch_wait_s)
                 while not queue.empty():
                     batch.append(queue.get_nowait())
                 done = batch[-1] is None  # None comes last: the app has returned
                 messages = [m for m in batch if m is not None]
                 if messages:
+                    body_sent = body_sent or messages[-1]["type"] == "http.response.body"
                     yield messages
         finally:
             gone.set()
