@@ -6,8 +6,8 @@ Three deployments make one Serve application:
   loads its own engine core process, KV pool, buckets TOML and (unless 'none') embedding
   model, and builds the very FastAPI app of the single server (server/app.py) without
   binding a port. Its `asgi` method runs that app on one forwarded request and streams the
-  app's ASGI messages back. `check_health` raises once the engine core is gone, so Ray
-  replaces the replica.
+  app's ASGI messages back in batches (--stream-batch-ms). `check_health` raises once the
+  engine core is gone, so Ray replaces the replica.
 - `Ingress` (the HTTP entry; Ray Serve's proxy sends it every request): checks the API key
   and the body size, then forwards the request through a streaming DeploymentHandle to an
   engine replica chosen by Ray Serve's request router. It owns what only a hop in front of
