@@ -180,6 +180,14 @@ def test_merged_metrics_label_every_replica_and_keep_every_sample() -> None:
     assert text.count("# TYPE bucketserve_requests_running gauge") == 1
 
 
+def test_a_negative_stream_batch_wait_is_refused(capsys) -> None:
+    from bucketserve.server.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--replicas", "1", "--stream-batch-ms", "-1"])
+    assert "--stream-batch-ms: expected 0 or more, got '-1'" in capsys.readouterr().err
+
+
 def test_serve_args_refuses_an_unknown_option() -> None:
     assert serve_args({"replicas": 3}).replicas == 3
     with pytest.raises(ValueError, match="replicaz"):
