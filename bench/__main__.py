@@ -24,7 +24,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "online_gpu_vs_vllm.sh", "summarize_online.py", "cpu_vs_vllm.py", "cpu_vs_llamacpp.py",
         "online_split.py",
         "long_prompt_ttft.py", "chat_workload.py", "chat_gpu_vs_vllm.sh", "bucket_tuning.py",
-        "structured_gpu.py", "structured_schemas.py", "ray_gpu.sh", "ray_overhead_cpu.sh")),
+        "structured_gpu.py", "structured_schemas.py", "ray_gpu.sh", "ray_overhead_cpu.sh",
+        "ray_stream_cpu.py")),
     ("Offline engine", (
         "offline_throughput.py", "offline_workload.py", "gpu_throughput.py", "gpu_8b.py",
         "decode_itl_gpu.py", "vllm_itl_peer.py", "cpu_profile.py", "fp8_accuracy_gpu.py",

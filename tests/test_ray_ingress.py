@@ -16,7 +16,14 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from ray.exceptions import ActorDiedError  # noqa: E402
 from ray.serve.exceptions import BackPressureError  # noqa: E402
 
-from bucketserve.server.ray_deploy import Ingress, merge_metrics, serve_args  # noqa: E402
+from bucketserve.server.ray_deploy import (  # noqa: E402
+    EngineReplica,
+    Forwarded,
+    Ingress,
+    merge_bodies,
+    merge_metrics,
+    serve_args,
+)
 
 START = {"type": "http.response.start", "status": 200,
          "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]}
@@ -24,18 +31,20 @@ CHUNK = {"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "mo
 
 
 class Handle:
-    """A DeploymentHandle stand-in: each call plays the next script (messages, then maybe
-    an exception)."""
+    """A DeploymentHandle stand-in: each call plays the next script (a replica's items:
+    lists of ASGI messages, then maybe an exception)."""
 
     def __init__(self, *scripts: list) -> None:
         self.scripts = list(scripts)
         self.calls = 0
+        self.requests: list = []
 
     def options(self, **_) -> Handle:
         return self
 
     def remote(self, request) -> Stream:
         self.calls += 1
+        self.requests.append(request)
         return Stream(self.scripts.pop(0))
 
 
@@ -56,14 +65,14 @@ class Stream:
         pass
 
 
-def call(handle: Handle, api_key: str | None = None,
-         headers: list | None = None) -> tuple[int, dict, bytes]:
-    ingress = Ingress(handle, None, {"api_key": api_key})
+def call(handle: Handle, api_key: str | None = None, headers: list | None = None,
+         sent: list | None = None, **args) -> tuple[int, dict, bytes]:
+    ingress = Ingress(handle, None, {"api_key": api_key, **args})
     app = ingress.__serve_build_asgi_app__()
     body = json.dumps({"prompt": "hi", "stream": True}).encode()
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"",
              "query_string": b"", "headers": headers or [], "http_version": "1.1"}
-    sent: list[dict] = []
+    sent = [] if sent is None else sent
     given = False
 
     async def receive():
@@ -91,9 +100,43 @@ def test_ray_back_pressure_is_our_503_with_retry_after() -> None:
 
 
 def test_a_replica_dead_before_answering_is_retried_on_another() -> None:
-    handle = Handle([ActorDiedError()], [START, CHUNK, {**CHUNK, "more_body": False}])
+    handle = Handle([ActorDiedError()], [[START, CHUNK], [{**CHUNK, "more_body": False}]])
     status, _, body = call(handle)
     assert status == 200 and handle.calls == 2 and body.count(b"data: ") == 2
+
+
+def test_a_batch_of_events_is_one_send_with_the_same_bytes() -> None:
+    """A replica's item (a list of messages) reaches Ray's proxy as the start and one body
+    per run of bodies: the events joined in order, more_body of the run's last."""
+    events = [{**CHUNK, "body": f"data: {i}\n\n".encode()} for i in range(5)]
+    end = {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+    sent: list[dict] = []
+    status, _, body = call(Handle([[START, *events[:2]], events[2:], [end]]), sent=sent)
+    assert status == 200
+    assert body == b"".join(e["body"] for e in events) + b"data: [DONE]\n\n"
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert [m["more_body"] for m in bodies] == [True, True, False]
+    assert bodies[1]["body"] == b"data: 2\n\ndata: 3\n\ndata: 4\n\n"
+
+
+def test_merge_bodies_keeps_other_messages_and_their_order() -> None:
+    body = {"type": "http.response.body", "body": b"a", "more_body": True}
+    trailer = {"type": "http.response.trailers", "headers": [], "more_trailers": False}
+    merged = merge_bodies([START, body, {**body, "body": b"b"}, trailer,
+                           {**body, "body": b"c", "more_body": False}])
+    assert merged == [START, {**body, "body": b"ab"}, trailer,
+                      {**body, "body": b"c", "more_body": False}]
+    assert merge_bodies([]) == []
+
+
+def test_the_prompt_is_read_only_for_a_request_router() -> None:
+    """Without --request-router the ingress never decodes the body; with one it hands the
+    prompt along for a prefix-aware router."""
+    done = [[START, {**CHUNK, "more_body": False}]]
+    plain, routed = Handle(list(done)), Handle(list(done))
+    call(plain)
+    call(routed, request_router="some.module:Router")
+    assert plain.requests[0].prompt == "" and routed.requests[0].prompt == "hi"
 
 
 def test_every_try_dead_is_a_503_error_body() -> None:
@@ -104,7 +147,7 @@ def test_every_try_dead_is_a_503_error_body() -> None:
 
 
 def test_a_replica_dead_mid_stream_ends_it_with_an_error_event_and_done() -> None:
-    handle = Handle([START, CHUNK, ActorDiedError()])
+    handle = Handle([[START, CHUNK], ActorDiedError()])
     status, _, body = call(handle)
     assert status == 200 and handle.calls == 1  # never sent twice
     events = [e.removeprefix("data: ") for e in body.decode().split("\n\n") if e]
@@ -135,6 +178,14 @@ def test_merged_metrics_label_every_replica_and_keep_every_sample() -> None:
     assert samples[("bucketserve_request_success_total",
                     (("finish_reason", "stop"), ("replica", "b")))] == 7
     assert text.count("# TYPE bucketserve_requests_running gauge") == 1
+
+
+def test_a_negative_stream_batch_wait_is_refused(capsys) -> None:
+    from bucketserve.server.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--replicas", "1", "--stream-batch-ms", "-1"])
+    assert "--stream-batch-ms: expected 0 or more, got '-1'" in capsys.readouterr().err
 
 
 def test_serve_args_refuses_an_unknown_option() -> None:
@@ -179,3 +230,53 @@ def test_autoscaling_bounds_alone_select_ray_and_are_checked(capsys) -> None:
 
     assert main(["serve", "--min-replicas", "3", "--max-replicas", "2"]) == 2
     assert "--min-replicas 3 is over --max-replicas 2" in capsys.readouterr().err
+
+
+def replica_items(app, batch_wait_s: float = 0.0) -> list[list[dict]]:
+    """The items EngineReplica.asgi yields for one request to `app` (no Ray: the method on
+    a bare instance)."""
+    replica = object.__new__(EngineReplica)
+    replica.app, replica.batch_wait_s = app, batch_wait_s
+    request = Forwarded({"type": "http", "method": "POST", "path": "/"}, b"{}")
+
+    async def run():
+        return [item async for item in replica.asgi(request)]
+
+    return asyncio.run(run())
+
+
+def test_the_replica_yields_every_message_queued_as_one_item() -> None:
+    async def burst(scope, receive, send):  # sends without waiting in between
+        await send(START)
+        for _ in range(3):
+            await send(CHUNK)
+        await send({**CHUNK, "more_body": False})
+
+    assert replica_items(burst) == [[START, CHUNK, CHUNK, CHUNK, {**CHUNK, "more_body": False}]]
+
+
+def test_a_lone_stream_gets_each_event_as_it_comes() -> None:
+    """Events apart in time are not held back for more: one item each."""
+    async def paced(scope, receive, send):
+        await send(START)
+        for _ in range(3):
+            await asyncio.sleep(0.01)
+            await send(CHUNK)
+
+    assert replica_items(paced) == [[START], [CHUNK], [CHUNK], [CHUNK]]
+
+
+def test_after_the_first_token_a_batch_collects_what_comes_within_the_wait() -> None:
+    """--stream-batch-ms: the start and the first event go at once (TTFT), later events
+    are held up to the wait and go together."""
+    last = {**CHUNK, "more_body": False}
+
+    async def paced(scope, receive, send):
+        await send(START)
+        await asyncio.sleep(0.01)
+        await send(CHUNK)
+        for message in (CHUNK, CHUNK, last):
+            await asyncio.sleep(0.01)
+            await send(message)
+
+    assert replica_items(paced, batch_wait_s=0.5) == [[START], [CHUNK], [CHUNK, CHUNK, last]]

@@ -1,9 +1,11 @@
 """How many KV blocks the pool gets on a GPU: a warm-up forward at the largest step, then
-what is left of `gpu_memory_fraction` of the device (see gpu_kv_budget_blocks)."""
+what is left of this process's share, `gpu_memory_fraction` of the device, capped at what
+is free (see gpu_kv_budget_blocks and kv_budget_blocks)."""
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +14,11 @@ import torch
 from bucketserve.kernels.attention import AttentionMetadata, forward_context
 
 log = logging.getLogger(__name__)
+
+GIB = 2**30
+# This process's device memory outside torch's allocator (CUDA context, cuBLAS / Triton
+# modules) when NVML cannot say: the usual size of a CUDA 12 context with torch's libraries.
+CONTEXT_ESTIMATE_BYTES = GIB
 
 
 @dataclass(frozen=True)
@@ -45,21 +52,97 @@ class StepLimits:
     max_model_len: int
 
 
+@dataclass(frozen=True)
+class GpuMemory:
+    """Device memory readings in bytes, after the warm-up: `total` and `free`
+    (cudaMemGetInfo: free of every process), `reserved` (torch's allocator, this process),
+    `own_outside` (this process outside the allocator: its CUDA context) and `peak` (the
+    warm-up's allocator peak: weights + activations + logits)."""
+
+    total: int
+    free: int
+    reserved: int
+    own_outside: int
+    peak: int
+
+
+def kv_budget_blocks(mem: GpuMemory, fraction: float, bytes_per_block: int, min_blocks: int,
+                     reserve_bytes: int, graph_act: int = 0) -> tuple[int, dict]:
+    """KV blocks for this process: `fraction` of the device is this process's whole share
+    (as vLLM's gpu_memory_utilization), so the pool gets the share less what the process
+    already holds (own_outside + peak) and what it keeps back (reserve_bytes, graph_act),
+    capped at the device's free memory less the same keep-back (other processes on the GPU
+    are not counted against the share; what they hold is not free). Raises ValueError when
+    the pool would hold fewer than `min_blocks`. Returns (blocks, details for the log)."""
+    share = fraction * mem.total - mem.own_outside - mem.peak - reserve_bytes - graph_act
+    available = mem.free - reserve_bytes - graph_act
+    budget = min(share, available)
+    blocks = int(max(0, budget) // bytes_per_block)
+    info = {"total_gib": mem.total / GIB, "peak_torch_gib": mem.peak / GIB,
+            "own_outside_torch_gib": mem.own_outside / GIB, "free_gib": mem.free / GIB,
+            "share_gib": share / GIB, "kv_budget_gib": budget / GIB,
+            "graph_activations_gib": graph_act / GIB, "bound": "fraction"
+            if share <= available else "free memory"}
+    if blocks < min_blocks:
+        need = (min_blocks * bytes_per_block + reserve_bytes + graph_act) / GIB
+        if share <= available:
+            raise ValueError(
+                f"the KV pool needs at least {min_blocks} blocks (one sequence as long as the "
+                f"largest step) but gpu_memory_fraction {fraction:g} of {mem.total / GIB:.1f}"
+                f" GiB leaves {max(0.0, share) / GIB:.2f} GiB after this process's weights and "
+                f"activations ({mem.peak / GIB:.2f} GiB) and CUDA context "
+                f"({mem.own_outside / GIB:.2f} GiB); raise [kv_cache] gpu_memory_fraction")
+        raise ValueError(
+            f"the KV pool needs at least {min_blocks} blocks (one sequence as long as the "
+            f"largest step; {need:.2f} GiB with what start-up keeps back) but only "
+            f"{mem.free / GIB:.2f} GiB of the GPU is free (other processes on it hold "
+            f"{(mem.total - mem.free - mem.reserved - mem.own_outside) / GIB:.2f} GiB); "
+            f"free GPU memory or lower their share")
+    return blocks, info
+
+
+def own_memory_outside_torch(device: torch.device) -> tuple[int, str]:
+    """(bytes, how known) this process holds on `device` outside torch's allocator: NVML's
+    per-process use less torch's reserved memory when pynvml is importable and NVML lists
+    this pid on the device (not in a separate PID namespace), else CONTEXT_ESTIMATE_BYTES."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                    used = proc.usedGpuMemory - torch.cuda.memory_reserved(device)
+                    return max(0, used), "NVML"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # noqa: BLE001 - no pynvml / NVML: the estimate
+        log.debug("NVML per-process memory not available: %s", exc)
+    return CONTEXT_ESTIMATE_BYTES, "estimate"
+
+
 def gpu_kv_budget_blocks(model: torch.nn.Module, layout: KVLayout, limits: StepLimits,
                          memory_fraction: float, device: torch.device,
                          reserve_bytes: int = 256 * 2**20,
                          reserve_graph_activations: bool = False) -> tuple[int, dict]:
-    """KV blocks of `layout` that fit in `memory_fraction` of the GPU after a warm-up forward.
+    """KV blocks of `layout` that fit in this process's `memory_fraction` of the GPU after a
+    warm-up forward (kv_budget_blocks does the arithmetic).
 
     The warm-up runs the largest step the scheduler can issue (max_num_tokens prompt
     tokens in sequences of at most max_model_len) plus the logits of max_num_seqs rows, over
     a small temporary pool, and reads the allocator's peak: weights + activations +
-    logits. Memory outside torch's allocator (CUDA context, other processes) is counted
-    as used. `reserve_bytes` is kept back for the decode graphs' pool and the sampler.
+    logits. This process's memory outside torch's allocator (its CUDA context:
+    own_memory_outside_torch) counts against its share; other processes' memory does not,
+    but it is not free either (the pool never takes more than is free).
+    `reserve_bytes` is kept back for the decode graphs' pool and the sampler.
     `reserve_graph_activations` (piecewise CUDA graphs on) keeps back the warm-up's
     activations once more (its peak less the model's parameters and buffers): the graphs'
     private pool holds a stage's activations at the largest step, apart from the memory
-    that eager steps reuse. Returns (blocks, details for the log)."""
+    that eager steps reuse. The pool must hold at least one sequence as long as the largest
+    step (min(max_num_tokens, max_model_len) tokens), else ValueError. Returns (blocks,
+    details for the log)."""
     block_size, max_model_len = layout.block_size, limits.max_model_len
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -94,18 +177,21 @@ def gpu_kv_budget_blocks(model: torch.nn.Module, layout: KVLayout, limits: StepL
     # no empty_cache(): the activation blocks stay cached for the first large steps (a
     # cudaMalloc there would stall the step); `reserved` below counts them
     free, total = torch.cuda.mem_get_info(device)
-    outside = total - free - torch.cuda.memory_reserved(device)  # context, other processes
+    own_outside, source = own_memory_outside_torch(device)
     graph_act = 0
     if reserve_graph_activations:
         tensors = [*model.parameters(), *model.buffers()]
         graph_act = max(0, peak - sum(x.numel() * x.element_size() for x in tensors))
-    budget = memory_fraction * total - outside - peak - reserve_bytes - graph_act
-    blocks = max(2, int(budget // layout.bytes_per_block()))
-    info = {"total_gib": total / 2**30, "peak_torch_gib": peak / 2**30,
-            "outside_torch_gib": outside / 2**30, "kv_budget_gib": budget / 2**30,
-            "graph_activations_gib": graph_act / 2**30, "warmup_tokens": t}
-    log.info("GPU memory: total %.1f GiB, warm-up peak %.2f GiB, outside torch %.2f GiB, "
-             "kept for piecewise graphs %.2f GiB, KV budget %.2f GiB (fraction %.2f) -> %d "
-             "blocks", info["total_gib"], info["peak_torch_gib"], info["outside_torch_gib"],
-             info["graph_activations_gib"], info["kv_budget_gib"], memory_fraction, blocks)
+    mem = GpuMemory(total=total, free=free, reserved=torch.cuda.memory_reserved(device),
+                    own_outside=own_outside, peak=peak)
+    blocks, info = kv_budget_blocks(mem, memory_fraction, layout.bytes_per_block(),
+                                    min_blocks=1 + per_seq,
+                                    reserve_bytes=reserve_bytes, graph_act=graph_act)
+    info.update(warmup_tokens=t, own_outside_source=source)
+    log.info("GPU memory: total %.1f GiB, free %.1f GiB, warm-up peak %.2f GiB, this process "
+             "outside torch %.2f GiB (%s), kept for piecewise graphs %.2f GiB, KV budget %.2f "
+             "GiB (fraction %.2f of the device for this process; bound: %s) -> %d blocks",
+             info["total_gib"], info["free_gib"], info["peak_torch_gib"],
+             info["own_outside_torch_gib"], source, info["graph_activations_gib"],
+             info["kv_budget_gib"], memory_fraction, info["bound"], blocks)
     return blocks, info

@@ -110,6 +110,14 @@ def add_ray_options(s: argparse.ArgumentParser) -> None:
                         "power-of-two-choices (e.g. ray.serve.llm.request_router:"
                         "PrefixCacheAffinityRouter, which needs ray[llm]; it reads the prompt "
                         "the ingress hands along)")
+    g.add_argument("--ingress-replicas", type=_positive_int, default=1, metavar="N",
+                   help="with --replicas: replicas of the ingress deployment (each one "
+                        "process that forwards requests and their streams to the engines)")
+    g.add_argument("--stream-batch-ms", type=_non_negative_float, default=2.0, metavar="MS",
+                   help="with --replicas: a replica sends a stream's SSE events to the ingress "
+                        "in batches, each what the engine produced within MS of the batch's "
+                        "first event (the first token goes at once; 0: no waiting, only what "
+                        "is already queued)")
     g.add_argument("--proxy-location", choices=("HeadOnly", "EveryNode"), default=None,
                    help="with --replicas: where Ray Serve runs HTTP proxies; default HeadOnly "
                         "for a local Ray instance, EveryNode with --ray-address")
@@ -127,6 +135,13 @@ def _non_negative_int(value: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected 0 or more, got {value!r}")
     return n
+
+
+def _non_negative_float(value: str) -> float:
+    x = float(value)
+    if not x >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value!r}")
+    return x
 
 
 def _api_workers(value: str) -> int | str:

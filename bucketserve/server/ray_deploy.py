@@ -6,8 +6,8 @@ Three deployments make one Serve application:
   loads its own engine core process, KV pool, buckets TOML and (unless 'none') embedding
   model, and builds the very FastAPI app of the single server (server/app.py) without
   binding a port. Its `asgi` method runs that app on one forwarded request and streams the
-  app's ASGI messages back. `check_health` raises once the engine core is gone, so Ray
-  replaces the replica.
+  app's ASGI messages back in batches (--stream-batch-ms). `check_health` raises once the
+  engine core is gone, so Ray replaces the replica.
 - `Ingress` (the HTTP entry; Ray Serve's proxy sends it every request): checks the API key
   and the body size, then forwards the request through a streaming DeploymentHandle to an
   engine replica chosen by Ray Serve's request router. It owns what only a hop in front of
@@ -122,6 +122,7 @@ class EngineReplica:
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         ns = serve_args(args)
+        self.batch_wait_s = ns.stream_batch_ms / 1e3
         logging.getLogger("bucketserve").setLevel(ns.log_level.upper())
         # Loading blocks for a while: off the replica's event loop, which answers Ray.
         engine, buckets = await asyncio.to_thread(load_engine, ns)
@@ -147,9 +148,12 @@ class EngineReplica:
                 log.debug("metrics push failed: %s", exc)
             await asyncio.sleep(PUSH_S)
 
-    async def asgi(self, request: Forwarded) -> AsyncIterator[Message]:
-        """Runs the app on one request; yields the ASGI messages it sends. The caller going
-        away (Ray cancels this generator) is a client disconnect for the app."""
+    async def asgi(self, request: Forwarded) -> AsyncIterator[list[Message]]:
+        """Runs the app on one request; yields the ASGI messages it sends, in lists (one Ray
+        streaming item per list, not per SSE event): after the first body message, a list
+        holds what the app sent within `batch_wait_s` (--stream-batch-ms) of its first
+        message; the start and the first body (the first token) go at once. The caller
+        going away (Ray cancels this generator) is a client disconnect for the app."""
         queue: asyncio.Queue[Message | None] = asyncio.Queue()
         gone = asyncio.Event()
         body_given = False
@@ -168,8 +172,18 @@ class EngineReplica:
         task = asyncio.create_task(self.app(request.scope, receive, send))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
-            while (message := await queue.get()) is not None:
-                yield message
+            done = body_sent = False
+            while not done:
+                batch = [await queue.get()]
+                if body_sent and self.batch_wait_s > 0 and batch[0] is not None:
+                    await asyncio.sleep(self.batch_wait_s)
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                done = batch[-1] is None  # None comes last: the app has returned
+                messages = [m for m in batch if m is not None]
+                if messages:
+                    body_sent = body_sent or messages[-1]["type"] == "http.response.body"
+                    yield messages
         finally:
             gone.set()
             if not task.done():
@@ -265,7 +279,9 @@ class Ingress:
                 (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
             await send({"type": "http.response.body", "body": merge_metrics(texts)})
             return
-        request = Forwarded(forwarded_scope(scope), body, prompt_text(body))
+        # the prompt is only for a prefix-aware router: no JSON decode without one
+        prompt = prompt_text(body) if self.args.request_router else ""
+        request = Forwarded(forwarded_scope(scope), body, prompt)
         for attempt in range(1, RETRIES + 1):
             started = await self.forward_once(request, scope, receive, send,
                                               last=attempt == RETRIES)
@@ -283,12 +299,13 @@ class Ingress:
         stream = self.engine.remote(request)
         started = sse = False
         try:
-            async for message in stream:
-                if message["type"] == "http.response.start":
-                    started = True
-                    sse = any(k == b"content-type" and v.startswith(b"text/event-stream")
-                              for k, v in message.get("headers", []))
-                await send(message)
+            async for batch in stream:
+                for message in merge_bodies(batch):
+                    if message["type"] == "http.response.start":
+                        started = True
+                        sse = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                                  for k, v in message.get("headers", []))
+                    await send(message)
         except BackPressureError:
             if started:
                 raise
@@ -312,6 +329,28 @@ class Ingress:
         finally:
             stream.cancel()
         return True
+
+
+def merge_bodies(batch: list[Message]) -> list[Message]:
+    """`batch` with each run of consecutive `http.response.body` messages made one (bodies
+    joined, `more_body` of the run's last): one send to Ray's proxy per run, not per SSE
+    event. The bytes the client gets are the same."""
+    out: list[Message] = []
+    run: list[Message] = []  # the bodies since the last other message
+    for message in [*batch, None]:
+        if message is not None and message["type"] == "http.response.body":
+            run.append(message)
+            continue
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            out.append({"type": "http.response.body",
+                        "body": b"".join(m.get("body", b"") for m in run),
+                        "more_body": run[-1].get("more_body", False)})
+        run = []
+        if message is not None:
+            out.append(message)
+    return out
 
 
 async def lifespan(receive: Receive, send: Send) -> None:
@@ -367,7 +406,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     engine = serve.deployment(EngineReplica).options(**options).bind(vars(ns), hub)
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         # the ingress only forwards: it must never be the bottleneck
-        max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
+        num_replicas=ns.ingress_replicas, max_ongoing_requests=100_000,
+        ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine, hub, vars(ns))
 
 
