@@ -366,3 +366,30 @@ def test_plain_bert_directory_defaults_to_mean_pooling(tiny_bert_dir):
     with torch.no_grad():
         ref = hf(input_ids=ids).last_hidden_state.mean(dim=1)
     assert torch.allclose(loaded.model(ids, mask), ref, atol=1e-5)
+
+
+# ------------------------------------------------------------------ CPU paths
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "relu"])
+@pytest.mark.parametrize("gemm", ["onednn", "mkl"])
+def test_gemm_epilogues_equal_the_torch_ops(act, gemm):
+    """With a packed GEMM, a projection's activation and residual add (oneDNN: in the GEMM's
+    epilogue) give what F.linear followed by the torch activation / add gives."""
+    from bucketserve.kernels.cpu_plan import CpuPlanError, resolve_cpu_plan
+    from bucketserve.models.bert import _ACTIVATIONS, _Linear
+    from bucketserve.models.llama import pack_linear_weights
+
+    torch.manual_seed(0)
+    lin = _Linear(48, 96, bias=True)
+    lin.weight.data, lin.bias.data = torch.randn(96, 48) / 7, torch.randn(96)
+    x, residual = torch.randn(37, 48), torch.randn(37, 96)
+    want_act = _ACTIVATIONS[act](F.linear(x, lin.weight, lin.bias))
+    want_add = residual + F.linear(x, lin.weight, lin.bias)
+    try:
+        plan = resolve_cpu_plan(gemm=gemm)
+    except CpuPlanError:
+        pytest.skip(f"this torch build has no packed {gemm} sgemm")
+    assert pack_linear_weights(lin, lin.weight, plan) is not None and lin.gemm == gemm
+    with torch.inference_mode():
+        torch.testing.assert_close(lin.activated(x, act), want_act, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lin.plus(x, residual), want_add, rtol=1e-5, atol=1e-5)
+

@@ -10,7 +10,9 @@ Weight names follow Hugging Face's BertModel (with or without the "bert." prefix
 value are fused into one [3H, H] projection at load time (bert_loader.py) for one GEMM per layer.
 On a float32 CPU model, `pack_cpu_weights()` lets the projections use the packed GEMM the Llama
 model's helpers chose for this CPU (oneDNN or MKL, measured at the first pack): oneDNN's for
-every forward, MKL's for forwards of at most PACKED_MAX_ROWS tokens, where it is faster.
+every forward, MKL's for forwards of at most PACKED_MAX_ROWS tokens, where it is faster. With
+oneDNN's, the feed-forward GELU and the two residual adds of a layer run in the GEMMs'
+epilogues (_Linear.activated / .plus) instead of as passes of their own.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ NO_ROW_LIMIT = 1 << 62
 
 # Pooling modes in the order sentence-transformers concatenates them when several are set.
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")
+
+# oneDNN's GELU post-op algorithm for each GELU activation ("none": erf, as HF "gelu")
+_ONEDNN_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),  # exact (erf) GELU, as HF "gelu"
@@ -127,6 +132,25 @@ class _Linear(Linear):
             return F.linear(x, self.weight, self.bias)
         return super().forward(x)
 
+    def _onednn(self) -> bool:
+        return self.gemm == "onednn" and self.packed is not None  # no row limit
+
+    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T + b [T, out]; with oneDNN's packed GEMM the add is the GEMM's
+        epilogue (a binary post-op), not a pass of its own over [T, out]."""
+        if self._onednn():
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias,
+                                                             "add")
+        return residual + self(x)
+
+    def activated(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """_ACTIVATIONS[act](x W^T + b) [T, out]; with oneDNN's packed GEMM a GELU is the
+        GEMM's epilogue (its erf or tanh form, as `act` asks)."""
+        if act in _ONEDNN_GELU and self._onednn():
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "gelu", [],
+                                                      _ONEDNN_GELU[act])
+        return _ACTIVATIONS[act](self(x))
+
 
 class BertLayer(nn.Module):
     """Post-LN layer: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
@@ -143,7 +167,7 @@ class BertLayer(nn.Module):
         self.ffn_in = _Linear(H, cfg.intermediate_size, bias=True)
         self.ffn_out = _Linear(cfg.intermediate_size, H, bias=True)
         self.ffn_norm = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act = cfg.hidden_act
         # kernels/bert_ops.py (BertEmbeddingModel.use_fused_kernels): residual add +
         # LayerNorm as one kernel; the feed-forward bias + GELU in the GEMM's epilogue
         self.fused_add_norm = False
@@ -159,8 +183,8 @@ class BertLayer(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         a = a.transpose(1, 2).reshape(T, H)
         if not self.fused_add_norm:
-            x = self.attn_norm(x + self.attn_out(a))
-            return self.ffn_norm(x + self.ffn_out(self._ffn_in(x)))
+            x = self.attn_norm(self.attn_out.plus(a, x))
+            return self.ffn_norm(self.ffn_out.plus(self._ffn_in(x), x))
         n1, n2 = self.attn_norm, self.ffn_norm
         x = bert_ops.add_layer_norm(self.attn_out(a), x, n1.weight, n1.bias, n1.eps)
         return bert_ops.add_layer_norm(self.ffn_out(self._ffn_in(x)), x, n2.weight, n2.bias,
@@ -170,7 +194,7 @@ class BertLayer(nn.Module):
         # [T, H] -> act(x W_in^T + b_in) [T, I]; the epilogue computes the tanh GELU
         if self.gelu_epilogue:
             return bert_ops.linear_gelu(x, self.ffn_in.weight, self.ffn_in.bias)
-        return self.act(self.ffn_in(x))
+        return self.ffn_in.activated(x, self.act)
 
 
 class BertEncoder(nn.Module):
