@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fp8_accuracy_gpu import (  # noqa: E402
+from fp8_accuracy_gpu import (
     CHUNK,
     TEXT,
     leading_agreement,
@@ -34,11 +31,11 @@ from fp8_accuracy_gpu import (  # noqa: E402
     prompts_from,
 )
 
-from bucketserve.buckets import load_buckets  # noqa: E402
-from bucketserve.engine.llm_engine import LLMEngine  # noqa: E402
-from bucketserve.engine.sequence import SamplingParams  # noqa: E402
-from bucketserve.kernels import cpu_quant  # noqa: E402
-from bucketserve.models import load_model  # noqa: E402
+from bucketserve.buckets import load_buckets
+from bucketserve.engine.llm_engine import LLMEngine
+from bucketserve.engine.sequence import SamplingParams
+from bucketserve.kernels import cpu_quant
+from bucketserve.models import load_model
 
 CONFIGS = ("none", "q4_1", "int8")
 

@@ -29,17 +29,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_vs_vllm import (  # noqa: E402
+from cpu_vs_vllm import (
     ROOT,
     WORKLOADS,
     cpu_info,
     free_port,
+    launch,
     load_avg,
     loadgen,
     no_prefix_cache_toml,
     stop,
-    wait_health,
 )
 
 MODEL = "smollm2-135m-instruct"  # the name both servers answer to
@@ -77,20 +76,7 @@ def start(system: str, args, tmp: Path) -> tuple[subprocess.Popen, int, dict]:
             cmd += ["--cpu-isa", "avx2"]
             env.update(AVX2_ENV)
             env["XDG_CACHE_HOME"] = str(tmp / "cache")  # a fresh build of our kernels for AVX2
-    t0 = time.perf_counter()
-    with open(tmp / f"{system}_server.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=str(ROOT))
-    info: dict = {"command": " ".join(cmd)}
-    try:
-        wait_health(f"http://127.0.0.1:{port}/health", proc, args.start_timeout)
-        info["start_s"] = round(time.perf_counter() - t0, 1)
-        loadgen(args.client_python, port, MODEL, WORKLOADS / "short.jsonl", args.concurrency,
-                tmp / f"{system}_warmup.json", "warmup", limit=args.concurrency)
-    except BaseException:
-        stop(proc)
-        raise
-    return proc, port, info
+    return launch(system, cmd, env, port, MODEL, args, tmp)
 
 
 def summary(s: dict) -> dict:

@@ -201,6 +201,14 @@ def start_server(system: str, args, tmp: Path) -> tuple[subprocess.Popen, int, d
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_dir,
                "--served-model-name", MODEL, "--dtype", "float32", "--port", str(port),
                "--no-enable-prefix-caching", "--max-model-len", "8192"]
+    return launch(system, cmd, env, port, MODEL, args, tmp)
+
+
+def launch(system: str, cmd: list[str], env: dict, port: int, model: str, args,
+           tmp: Path) -> tuple[subprocess.Popen, int, dict]:
+    """Starts `cmd` (a server on `port` answering to `model`, its log in tmp), waits for
+    /health, then warms it up with `args.concurrency` short requests; (process, port,
+    {command, start_s})."""
     t0 = time.perf_counter()
     with open(tmp / f"{system}_server.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -210,7 +218,7 @@ def start_server(system: str, args, tmp: Path) -> tuple[subprocess.Popen, int, d
         wait_health(f"http://127.0.0.1:{port}/health", proc, args.start_timeout)
         info["start_s"] = round(time.perf_counter() - t0, 1)
         # warm-up: the first requests pay one-time costs (kernel builds, allocator growth)
-        loadgen(args.client_python, port, MODEL, WORKLOADS / "short.jsonl", args.concurrency,
+        loadgen(args.client_python, port, model, WORKLOADS / "short.jsonl", args.concurrency,
                 tmp / f"{system}_warmup.json", "warmup", limit=args.concurrency)
     except BaseException:
         stop(proc)

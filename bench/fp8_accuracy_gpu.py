@@ -22,21 +22,19 @@ import math
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bucketserve.buckets import load_buckets
+from bucketserve.engine.llm_engine import LLMEngine
+from bucketserve.engine.sequence import SamplingParams
+from bucketserve.kernels.attention import AttentionMetadata, forward_context
+from bucketserve.models import load_model
 
-from bucketserve.buckets import load_buckets  # noqa: E402
-from bucketserve.engine.llm_engine import LLMEngine  # noqa: E402
-from bucketserve.engine.sequence import SamplingParams  # noqa: E402
-from bucketserve.kernels.attention import AttentionMetadata, forward_context  # noqa: E402
-from bucketserve.models import load_model  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TEXT = ROOT / "bench" / "data" / "fp8_eval_text.txt"
 CONFIGS = [("bf16", "none", "auto"), ("fp8 weights", "fp8", "auto"),
