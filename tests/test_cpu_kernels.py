@@ -21,6 +21,16 @@ from bucketserve.models.loader import build_dummy_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+def run_forced_avx2(script: str, cache: Path) -> None:
+    """Runs `script` in a fresh Python with the AVX2 environment of `--cpu-isa avx2` (our C
+    kernels built for it into `cache`); the script prints "ok" at its end."""
+    env = {**os.environ, **isa_environment("avx2"), "XDG_CACHE_HOME": str(cache),
+           "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+
 needs_kernels = pytest.mark.skipif(cpu_decode.load() is None,
                                    reason="no C compiler: the CPU kernels are not built here")
 
@@ -250,11 +260,7 @@ def test_forced_avx2_matches_reference(tmp_path):
             torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
         print("ok")
     """)
-    env = {**os.environ, **isa_environment("avx2"), "XDG_CACHE_HOME": str(tmp_path),
-           "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+    run_forced_avx2(script, tmp_path)
 
 
 def test_kernels_off_by_the_plan():

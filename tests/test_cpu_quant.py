@@ -5,9 +5,6 @@ q4_1 equal to the float32 model (greedy tokens), int8 close, and the refusals.""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -15,12 +12,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from test_cpu_kernels import run_forced_avx2
 
 from bucketserve.buckets import load_buckets
 from bucketserve.engine.llm_engine import LLMEngine
 from bucketserve.engine.sequence import SamplingParams
 from bucketserve.kernels import cpu_quant
-from bucketserve.kernels.cpu_plan import isa_environment
 from bucketserve.kernels.quant import QuantizationUnsupported, resolve_quant_plan
 from bucketserve.models import load_model
 from bucketserve.models.gguf_loader import read_gguf_file
@@ -130,11 +127,7 @@ def test_avx2_build_on_an_avx512_host(tmp_path, smollm2_path):
             i8(*shape)
         print("ok")
     """)
-    env = {**os.environ, **isa_environment("avx2"), "XDG_CACHE_HOME": str(tmp_path),
-           "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+    run_forced_avx2(script, tmp_path)
 
 
 # ---- the served model --------------------------------------------------------------------
