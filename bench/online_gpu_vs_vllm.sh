@@ -18,41 +18,7 @@ set -u
 ROOT=$(pwd); CS=${CS:-256 64}; REPS=${REPS:-3}; SHAPE=${SHAPE:-smollm2-135m}; OUT=${OUT:-/tmp/online}
 WARMUP=${WARMUP:-64}; WORKERS=${WORKERS:-4}; API_WORKERS=${API_WORKERS:-1}; M=/tmp/model-$SHAPE; DEV=${DEV:-cuda}
 mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-python3 - "$TOK" "$M" "$SHAPE" "$DEV" <<'PY'
-import os, shutil, sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-tok, d, shape, dev = sys.argv[1:]
-os.makedirs(d, exist_ok=True)
-for f in os.listdir(tok):
-    shutil.copy(os.path.join(tok, f), d)
-cfg = LlamaConfig.from_pretrained(d)
-shapes = {  # Llama-3.2-1B's and Llama-3.1-8B's shapes with SmolLM2's 49,152-token vocabulary
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=64),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-}
-over = dict(shapes.get(shape, {}), tie_word_embeddings=shape != "llama-8b")
-for k, v in over.items():
-    setattr(cfg, k, v)
-def write_config():  # the shape's values written out explicitly (a copied config.json must not win)
-    import json
-    path = os.path.join(d, "config.json")
-    with open(path) as f:
-        js = json.load(f)
-    js.update(over)
-    js.pop("layer_types", None)
-    with open(path, "w") as f:
-        json.dump(js, f, indent=1)
-if os.path.exists(os.path.join(d, "model.safetensors.index.json")) or os.path.exists(os.path.join(d, "model.safetensors")):
-    write_config(); print(shape, "random weights already in", d); sys.exit(0)
-torch.manual_seed(0)
-with torch.device(dev):
-    m = LlamaForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32)
-m.save_pretrained(d)
-write_config()
-print(shape, "random bf16 weights:", sum(p.numel() for p in m.parameters()), "parameters")
-PY
+python3 bench/make_random_model.py --shape "$SHAPE" --tok "$TOK" --out "$M" --device "$DEV" || exit 1
 up() {  # port pid
   for _ in $(seq 1 400); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null 2>&1 && return 0
     kill -0 "$2" 2>/dev/null || return 1; sleep 1; done; return 1; }

@@ -4,13 +4,16 @@
 # mixed workload (prompts log-uniform 16..1024 token ids, max_tokens uniform 16..256, EOS
 # ignored, seed 0), the same load client (`bucketserve bench`, closed loop), REPS timed runs
 # each after one warm-up; per shape:
-#   plain   the single server (one GPU)
-#   ray1    Ray Serve, 1 replica on the GPU                       (must-show 4: >= 0.9x plain)
+#   plain1  the single server (one GPU), one HTTP front end (--api-workers 1): a Ray replica runs
+#           the app in one process, so this is "the same front-end setting" of must-show 4
+#   plain   the single server with its default front ends (--api-workers auto): its best
+#   ray1    Ray Serve, 1 replica on the GPU                       (must-show 4: >= 0.9x plain1)
+#   ray1s   ray1 with --stream-batch-ms SLOW_MS (default 20): fewer, fuller Ray stream items
 #   ray2    Ray Serve, 2 replicas sharing the one GPU (0.5 each, KV pools 0.45 of it each)
 #   raygpus Ray Serve, one replica per GPU of the machine, at C x GPUs streams (must-show 5:
 #           >= 0.9 x GPUs x ray1); skipped on a one-GPU machine
 #
-#   TOK=DIR OUT=DIR [SHAPES="llama-1b llama-8b smollm2-135m"] [SYSTEMS="plain ray1 ray2 raygpus"]
+#   TOK=DIR OUT=DIR [SHAPES="llama-1b llama-8b smollm2-135m"] [SYSTEMS="plain1 plain ray1 ray2 raygpus"]
 #     [C=256] [N=1024] [REPS=3] bash bench/ray_gpu.sh
 #
 # TOK: SmolLM2's config.json / tokenizer.json / tokenizer_config.json (no weights: random bf16
@@ -25,7 +28,8 @@
 #   (bench/summarize_online.py) and OUT/ray_gpu_summary.txt (ratios; printed at the end).
 set -u
 ROOT=$(pwd); DEV=${DEV:-cuda}; OUT=${OUT:-/tmp/ray_gpu}; N=${N:-1024}; C=${C:-256}; REPS=${REPS:-3}
-SHAPES=${SHAPES:-llama-1b llama-8b smollm2-135m}; SYSTEMS=${SYSTEMS:-plain ray1 ray2 raygpus}
+SHAPES=${SHAPES:-llama-1b llama-8b smollm2-135m}; SYSTEMS=${SYSTEMS:-plain1 plain ray1 ray2 raygpus}
+SLOW_MS=${SLOW_MS:-20}
 WARMUP=${WARMUP:-64}; WORKERS=${WORKERS:-4}; OUTPUT_LEN=${OUTPUT_LEN:-uniform:16:256}
 mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -34,30 +38,6 @@ W="$OUT/workload.jsonl"
 python3 -m bucketserve.server.cli bench --dry-run --num-requests "$N" --seed 0 --prompt-kind ids \
   --prompt-len loguniform:16:1024 --output-len "$OUTPUT_LEN" --save-trace "$W" || exit 1
 
-make_model() {  # shape dir: SmolLM2's tokenizer with random bf16 weights of the shape
-  python3 - "$TOK" "$2" "$1" "$DEV" <<'PY'
-import os, shutil, sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-tok, d, shape, dev = sys.argv[1:]
-os.makedirs(d, exist_ok=True)
-for f in os.listdir(tok):
-    if not f.endswith((".safetensors", ".bin", ".gguf")):
-        shutil.copy(os.path.join(tok, f), d)
-cfg = LlamaConfig.from_pretrained(d)
-shapes = {  # Llama-3.2-1B / Llama-3.1-8B shapes with SmolLM2's 49,152-token vocabulary
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=64),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128)}
-cfg.update(shapes.get(shape, {}))
-cfg.tie_word_embeddings = True
-torch.manual_seed(0)
-with torch.device(dev):
-    m = LlamaForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32)
-m.save_pretrained(d)
-print(shape, "random weights:", sum(p.numel() for p in m.parameters()), "parameters")
-PY
-}
 
 up() {  # port pid: the model answers (a Ray endpoint: every replica has loaded)
   for _ in $(seq 1 900); do
@@ -69,13 +49,15 @@ up() {  # port pid: the model answers (a Ray endpoint: every replica has loaded)
     kill -0 "$2" 2>/dev/null || return 1; sleep 1; done; return 1; }
 
 for SHAPE in $SHAPES; do
-  M=/tmp/model-$SHAPE; [ -f "$M/config.json" ] && [ -n "$(ls "$M"/*.safetensors 2>/dev/null)" ] || make_model "$SHAPE" "$M"
+  M=/tmp/model-$SHAPE; python3 bench/make_random_model.py --shape "$SHAPE" --tok "$TOK" --out "$M" --device "$DEV" || exit 1
   for SYS in $SYSTEMS; do
     B="$OUT/$SYS.toml"; printf '[kv_cache]\nprefix_caching = false\n' > "$B"  # the runs repeat prompts
     ARGS=(); CONC=$C; REPL=0
     case $SYS in
-      plain) ;;
+      plain) ARGS=(--api-workers auto) ;;
+      plain1) ARGS=(--api-workers 1) ;;
       ray1) ARGS=(--replicas 1); REPL=1 ;;
+      ray1s) ARGS=(--replicas 1 --stream-batch-ms "$SLOW_MS"); REPL=1 ;;
       ray2) ARGS=(--replicas 2 --gpus-per-replica 0.5); REPL=2
             printf 'gpu_memory_fraction = 0.45\n' >> "$B" ;;
       raygpus) [ "$NGPU" -gt 1 ] || { echo "raygpus: one GPU only, skipped"; continue; }
@@ -119,7 +101,9 @@ for shape in shapes:
                   f"{ra['ttft_p50_ms']:.0f} vs {rb['ttft_p50_ms']:.0f} ms; ITL p50 "
                   f"{ra['itl_p50_ms']:.1f} vs {rb['itl_p50_ms']:.1f} ms; errors "
                   f"{ra['errors']} / {rb['errors']})")
-    line("ray 1 replica / plain", "ray1", "plain")
+    line("ray 1 replica / plain, 1 front end", "ray1", "plain1")
+    line("ray 1 replica, slow stream batches / plain, 1 front end", "ray1s", "plain1")
+    line("ray 1 replica / plain, auto front ends", "ray1", "plain")
     line("ray 2 replicas on one GPU / plain", "ray2", "plain")
     line(f"ray {ngpu} GPUs / ({ngpu} x ray 1 replica)", "raygpus", "ray1", ngpu)
 PY

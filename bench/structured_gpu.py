@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,6 +95,21 @@ def run_pair(base: str, args, with_schema: bool, tag: str, tmp: Path, offset: in
             "errors": sa["errors"] + sb["errors"]}
 
 
+def summarize(plains: list[dict], schemas: list[dict]) -> dict:
+    """Medians over the repeats of each run kind, and their ratios (schema / plain)."""
+    tok_p = statistics.median(r["output_tok_s"] for r in plains)
+    tok_s = statistics.median(r["output_tok_s"] for r in schemas)
+    itl = [statistics.median(r["free_itl_p99_ms"] for r in runs)
+           if all(r["free_itl_p99_ms"] for r in runs) else None for runs in (plains, schemas)]
+    return {"plain": plains[len(plains) // 2], "schema": schemas[len(schemas) // 2],
+            "plain_runs": plains, "schema_runs": schemas,
+            "plain_tok_s": tok_p, "schema_tok_s": tok_s,
+            "plain_free_itl_p99_ms": itl[0], "schema_free_itl_p99_ms": itl[1],
+            "tok_s_ratio": tok_s / tok_p,
+            "free_itl_p99_ratio": itl[1] / itl[0] if itl[0] and itl[1] else None,
+            "errors": [r["errors"] for r in plains + schemas]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server-cmd", default=None, help="starts the server (else: --base-url)")
@@ -102,12 +118,15 @@ def main() -> None:
     ap.add_argument("--prompt-len", default="loguniform:16:1024")
     ap.add_argument("--output-len", default="uniform:16:256")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="timed plain / schema pairs (medians)")
+    ap.add_argument("--warmup", type=int, default=1, help="1: one untimed pair of each kind first")
     ap.add_argument("--dry-run", action="store_true", help="CPU: default model, 8 streams")
     ap.add_argument("--dry-output-len", default="uniform:8:24", help="--dry-run's output lengths")
     args = ap.parse_args()
     proc = None
     if args.dry_run:
         args.requests, args.prompt_len, args.output_len = 8, "uniform:8:32", args.dry_output_len
+        args.repeats, args.warmup = 1, 0
         args.server_cmd = args.server_cmd or (f"{sys.executable} -m bucketserve.server.cli serve "
                                               "--port 8765 --embedding-model none")
         args.base_url = "http://127.0.0.1:8765"
@@ -118,17 +137,20 @@ def main() -> None:
             wait_healthy(args.base_url, proc)
         with tempfile.TemporaryDirectory() as d:
             tmp = Path(d)
-            plain = run_pair(args.base_url, args, False, "plain", tmp, 0)
-            schema_run = run_pair(args.base_url, args, True, "schema", tmp, SCHEMA_COUNT)
-        report = {"plain": plain, "schema": schema_run,
-                  "tok_s_ratio": schema_run["output_tok_s"] / plain["output_tok_s"],
-                  "free_itl_p99_ratio": (schema_run["free_itl_p99_ms"] / plain["free_itl_p99_ms"]
-                                         if plain["free_itl_p99_ms"] else None)}
+            if args.warmup:  # untimed: one free pair and one schema pair, schemas of their own
+                run_pair(args.base_url, args, False, "warm_plain", tmp, 0)
+                run_pair(args.base_url, args, True, "warm_schema", tmp, SCHEMA_COUNT * 8)
+            plains, schemas = [], []
+            for r in range(args.repeats):  # fresh schemas every repeat: none is a cache hit
+                plains.append(run_pair(args.base_url, args, False, f"plain{r}", tmp, 0))
+                schemas.append(run_pair(args.base_url, args, True, f"schema{r}", tmp,
+                                        SCHEMA_COUNT * (r + 1)))
+        report = summarize(plains, schemas)
         print(json.dumps({k: report[k] for k in ("tok_s_ratio", "free_itl_p99_ratio")}))
-        print(f"plain: {plain['output_tok_s']:.0f} tok/s, free-half ITL p99 "
-              f"{plain['free_itl_p99_ms']} ms; schema: {schema_run['output_tok_s']:.0f} tok/s, "
-              f"free-half ITL p99 {schema_run['free_itl_p99_ms']} ms; errors "
-              f"{plain['errors']} / {schema_run['errors']}")
+        print(f"plain: {report['plain_tok_s']:.0f} tok/s, free-half ITL p99 "
+              f"{report['plain_free_itl_p99_ms']} ms; schema: {report['schema_tok_s']:.0f} tok/s, "
+              f"free-half ITL p99 {report['schema_free_itl_p99_ms']} ms (medians of "
+              f"{args.repeats}); errors {report['errors']}")
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
     finally:
