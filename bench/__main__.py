@@ -24,12 +24,12 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "online_gpu_vs_vllm.sh", "summarize_online.py", "cpu_vs_vllm.py", "cpu_vs_llamacpp.py",
         "online_split.py",
         "long_prompt_ttft.py", "chat_workload.py", "chat_gpu_vs_vllm.sh", "bucket_tuning.py",
-        "structured_gpu.py", "structured_schemas.py", "ray_gpu.sh", "ray_overhead_cpu.sh",
+        "structured_gpu.py", "structured_gpu_vs_vllm.sh", "structured_schemas.py", "ray_gpu.sh", "ray_overhead_cpu.sh",
         "ray_stream_cpu.py")),
     ("Offline engine", (
         "offline_throughput.py", "offline_workload.py", "gpu_throughput.py", "gpu_8b.py",
         "decode_itl_gpu.py", "vllm_itl_peer.py", "cpu_profile.py", "fp8_accuracy_gpu.py",
-        "cpu_quant_accuracy.py")),
+        "cpu_quant_accuracy.py", "make_random_model.py")),
     ("Kernels", ("attention_gpu.py", "gemm_gpu.py", "bert_fused_gpu.py", "cpu_quant_kernels.py")),
     ("Host cost and the front end", (
         "frontend_capacity.py", "frontend_sizing.py", "embeddings_frontend.py",
