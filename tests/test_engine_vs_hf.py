@@ -266,8 +266,8 @@ def test_padding_rows_count_as_computed_not_useful(tiny, tmp_path):
     padded = LLMEngine(ours, buckets)
     launch = padded.runner.launch
 
-    def launch_padded(batch):
-        step = launch(batch)
+    def launch_padded(batch, before_sample=None):
+        step = launch(batch, before_sample)
         step.num_padding = 3
         return step
 

@@ -138,9 +138,53 @@ def test_preemption_keeps_the_matcher(loaded, overlapped):
     tight = LLMEngine(loaded, buckets, "cpu", num_blocks=blocks * 2 + 1, async_scheduling=True)
     params = [SamplingParams(max_tokens=40, temperature=0,
                              guided=GuidedDecoding("json", json.dumps(PERSON)))] * 4
+    # compiled before the four arrive, so that they are admitted in one step and outgrow the
+    # pool together (a compile that ends between two of them would stagger their admissions)
+    tight.grammar_compiler.submit(params[0].guided).result()
     outs = tight.generate([p] * 4, params)
     assert tight.stats.preemptions_total > 0
     want = overlapped.generate([p], params[:1])[0]
     for o in outs:
         assert o.token_ids == want.token_ids and o.finish_reason == "stop"
         jsonschema.validate(json.loads(o.text), PERSON)
+
+
+def test_overlapped_guided_steps_resolve_after_the_forward_is_queued(loaded):
+    """Overlapped scheduling with a grammar: the previous step is resolved inside launch, once
+    the next forward is queued and before its sampling reads the newest tokens (the mask), so
+    the host work hides behind the forward; the tokens are those of synchronous scheduling.
+    Fresh engines: a prefix cached by another test would change the numerics."""
+    sync, overlapped = (LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len),
+                                  "cpu", async_scheduling=a) for a in (False, True))
+    p = prompt(overlapped, "Describe a person as JSON.")
+    params = [SamplingParams(max_tokens=60, temperature=0,
+                             guided=GuidedDecoding("json", json.dumps(PERSON))),
+              SamplingParams(max_tokens=30, temperature=0)]
+    want = [o.token_ids for o in sync.generate([p, p], params)]
+
+    runner = overlapped.runner
+    launch, model_forward = runner.launch, runner.model.forward
+    events: list[str] = []
+
+    def forward(*args, **kwargs):
+        events.append("forward")
+        return model_forward(*args, **kwargs)
+
+    def traced_launch(batch, before_sample=None):
+        events.append("launch")
+
+        def resolve() -> None:
+            events.append("resolve")
+            before_sample()
+
+        return launch(batch, resolve if before_sample is not None else None)
+
+    runner.launch, runner.model.forward = traced_launch, forward
+    got = [o.token_ids for o in overlapped.generate([p, p], params)]
+    assert got == want
+    assert json.loads(overlapped.tokenizer.decode(got[0]))  # a whole document
+    # every guided decode step after the first resolves its predecessor inside launch,
+    # right after its own forward
+    steps = "".join({"launch": "L", "forward": "F", "resolve": "R"}[e] for e in events)
+    assert steps.count("LFR") >= len(want[0]) - 2, steps
+    assert "LR" not in steps, steps

@@ -42,7 +42,7 @@ from bucketserve.engine.messages import (
 )
 from bucketserve.engine.options import EngineOptions
 from bucketserve.engine.outputs import RequestOutput
-from bucketserve.engine.sequence import SamplingParams, Sequence
+from bucketserve.engine.sequence import GuidedDecoding, SamplingParams, Sequence
 
 log = logging.getLogger("bucketserve.core")
 
@@ -292,6 +292,13 @@ def build_engine(options: EngineOptions, faults: FaultPlan | None = None,
     t1 = time.perf_counter()
     bos = engine.tokenizer.bos_token_id
     engine.generate([[bos if bos is not None else 0]], SamplingParams(max_tokens=2, temperature=0.0))
+    # and one guided request: xgrammar's import, the tokenizer info and the device's mask
+    # kernel (a JIT compile) happen here, not in the step of the first schema a user sends
+    try:
+        engine.generate([[bos if bos is not None else 0]], SamplingParams(
+            max_tokens=2, temperature=0.0, guided=GuidedDecoding("choice", '["0"]')))
+    except Exception as exc:  # noqa: BLE001 - plain requests still work; guided ones will say why
+        log.warning("guided decoding warm-up failed: %s: %s", type(exc).__name__, exc)
     log.info("warm-up done in %.2f s; buckets prepared (eager on %s): prefill %s, decode batch sizes %s",
              time.perf_counter() - t1, device, list(buckets.prefill_boundaries),
              buckets.decode_graph_sizes(engine.device.type))

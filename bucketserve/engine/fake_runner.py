@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from bucketserve.engine.runner import ModelRunner, RunnerOutput, RunnerStep
 from bucketserve.engine.scheduler import ScheduledBatch
@@ -64,8 +65,11 @@ class FakeRunner:
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
         return self.launch(batch).result()
 
-    def launch(self, batch: ScheduledBatch) -> RunnerStep:
+    def launch(self, batch: ScheduledBatch,
+               before_sample: Callable[[], None] | None = None) -> RunnerStep:
         t0 = time.perf_counter()
+        if before_sample is not None:
+            before_sample()
         plan = self.inputs.fill(batch, self._last_index)
         self.num_placeholder_tokens += len(plan.placeholder_rows)
         seq_lens, lo, span = plan.seq_lens, self.lo, self.span

@@ -255,19 +255,29 @@ class LLMEngine:
             self.stats.set_queue(self.scheduler.num_waiting, self.scheduler.num_running,
                                  bm.num_used_blocks)
             return results
+        held: list[RunnerStep] = []
         if prev is not None and self._needs_host_tokens(batch):
-            results += self._resolve(prev)  # penalties read the newest tokens on the host
-            prev = None
+            # a grammar's mask or a penalty reads the newest tokens on the host: the previous
+            # step is resolved inside launch, after this step's forward is queued and before
+            # its sampling, so the host work overlaps the device's forward
+            held, prev = [prev], None
+
+        def resolve_held() -> None:
+            if held:
+                results.extend(self._resolve(held.pop()))
+
         try:
             if self.faults is not None:
                 self.faults.fire("step", (s.token_ids[0] for s in batch.seqs))
                 self.faults.fire("oom", (s.token_ids[0] for s in batch.seqs))
             with self._nvtx(batch):
-                step = self.runner.launch(batch)
+                step = self.runner.launch(batch, resolve_held if held else None)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            resolve_held()
             if prev is not None:
                 results += self._resolve(prev)
             return results + self._fail_step(batch, exc)
+        resolve_held()
         self.scheduler.on_launched(batch, step.sample_seqs)
         if self.async_scheduling:
             self._inflight = step

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -431,9 +432,13 @@ class ModelRunner:
         return self.launch(batch).result()
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> RunnerStep:
+    def launch(self, batch: ScheduledBatch,
+               before_sample: Callable[[], None] | None = None) -> RunnerStep:
         """Builds the inputs, queues the forward and the sampling on the device and returns
-        without waiting for them."""
+        without waiting for them. `before_sample` runs on the host once the forward is queued
+        and before the sampling is: the engine resolves the previous step there when this
+        step's sampling reads its tokens (a grammar's mask, penalties), while the device
+        computes this step's forward."""
         t0 = time.perf_counter()
         inp = self.inputs
         plan = inp.fill(batch, self._last_index)
@@ -460,11 +465,14 @@ class ModelRunner:
         else:
             hidden = self._forward_eager(ids, pos, meta)
         t2 = time.perf_counter()
+        if before_sample is not None:
+            before_sample()
+        t3 = time.perf_counter()
         step = self._sample(batch, plan, hidden, rows, padding)
         st = self.step_timing
         st["prepare_s"] += t1 - t0
         st["forward_s"] += t2 - t1
-        st["sample_s"] += time.perf_counter() - t2
+        st["sample_s"] += time.perf_counter() - t3
         return step
 
     def _gather_placeholders(self, plan: StepPlan, ids: torch.Tensor) -> None:

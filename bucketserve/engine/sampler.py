@@ -112,6 +112,7 @@ class Sampler:
     def __init__(self, eos_token_ids: Iterable[int] = (), seed: int | None = None) -> None:
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.generator = torch.Generator()  # CPU; shared by rows without their own seed
+        self._masks = None  # engine/structured.GrammarMasks, at the first guided row
         if seed is None:
             self.generator.seed()
         else:
@@ -179,9 +180,11 @@ class Sampler:
                               torch.tensor(vals, dtype=logits.dtype, device=device), accumulate=True)
         g_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if g_rows:
-            from bucketserve.engine.structured import apply_grammar_masks
+            if self._masks is None:
+                from bucketserve.engine.structured import GrammarMasks
 
-            apply_grammar_masks(logits, g_rows, [seqs[i].grammar for i in g_rows])
+                self._masks = GrammarMasks()
+            self._masks.apply(logits, g_rows, [seqs[i].grammar for i in g_rows])
 
         # min_tokens: gather (row, token) pairs to ban, one index_put for the batch.
         ban_rows: list[int] = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -89,7 +90,11 @@ def tokenizer_info(tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
 class GrammarCompiler:
     """Compiles grammars on `threads` worker threads; futures cached by spec (LRU)."""
 
-    def __init__(self, tokenizer, vocab_size: int, threads: int = 2, cache_size: int = 512) -> None:
+    def __init__(self, tokenizer, vocab_size: int, threads: int | None = None,
+                 cache_size: int = 512) -> None:
+        # a quarter of the cores, 2 to 4: a burst of new schemas compiles in parallel without
+        # taking the cores the engine loop and the front ends run on
+        threads = threads or min(4, max(2, (os.cpu_count() or 2) // 4))
         self.info = tokenizer_info(tokenizer, vocab_size)
         self.vocab_size = self.info.vocab_size
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
@@ -147,14 +152,60 @@ class GrammarState:
         return self.matcher.is_terminated()
 
 
-def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
-    """logits [B, V] in place: each row in `rows` keeps only the tokens its matcher allows.
-    The bitmask is filled on the host and applied on the logits' device (outside any graph)."""
-    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
-    for j, st in enumerate(states):
-        if not st.matcher.is_terminated():  # (ended, its token is dropped: left unmasked)
-            st.matcher.fill_next_token_bitmask(bitmask, j)
-    sub = logits[rows] if len(rows) != logits.shape[0] else logits
-    xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device, non_blocking=True))
-    if sub is not logits:
-        logits[rows] = sub
+class GrammarMasks:
+    """Applies the rows' grammar masks to a step's logits (the sampler holds one).
+
+    The bitmask of every guided row is filled on the host by its matcher and applied on the
+    logits' device by xgrammar's kernel, outside any graph, to those rows alone (`indices`: no
+    gather or scatter of the logits). On CUDA the host side lives in two page-locked buffers
+    used in turn, so the copy to the device is truly asynchronous (a copy from pageable memory
+    may wait for the stream, i.e. for the forward in flight) and a step never overwrites the
+    buffer whose copy the previous step may still have queued. Buffers grow to the largest
+    batch seen."""
+
+    def __init__(self) -> None:
+        self._host: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bitmask, row indices)
+        self._device: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._turn = 0
+        self._batch: xgr.BatchGrammarMatcher | None = None
+
+    def _buffers(self, rows: int, vocab: int, device: torch.device):
+        words = (vocab + 31) // 32
+        if not self._host or self._host[0][0].shape[0] < rows or self._host[0][0].shape[1] != words:
+            pin = device.type == "cuda"
+            self._host = [(xgr.allocate_token_bitmask(rows, vocab).pin_memory() if pin
+                           else xgr.allocate_token_bitmask(rows, vocab),
+                           torch.empty(rows, dtype=torch.int32, pin_memory=pin))
+                          for _ in range(2 if pin else 1)]
+            self._device = None if not pin else (
+                torch.empty(rows, words, dtype=torch.int32, device=device),
+                torch.empty(rows, dtype=torch.int32, device=device))
+        self._turn = (self._turn + 1) % len(self._host)
+        return self._host[self._turn]
+
+    def apply(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
+        """logits [B, V] in place: each row in `rows` keeps only the tokens its matcher allows
+        (a row whose grammar has ended is left alone: its token is dropped)."""
+        live = [(r, st) for r, st in zip(rows, states, strict=True)
+                if not st.matcher.is_terminated()]
+        if not live:
+            return
+        b, vocab = logits.shape
+        bitmask, index = self._buffers(b, vocab, logits.device)
+        n = len(live)
+        if n > 1:  # xgrammar fills the rows on its own threads, in one call
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(min(8, max(1, (os.cpu_count() or 2) // 2)))
+            self._batch.batch_fill_next_token_bitmask([st.matcher for _, st in live], bitmask,
+                                                      [r for r, _ in live])
+        else:
+            live[0][1].matcher.fill_next_token_bitmask(bitmask, live[0][0])
+        index[:n] = torch.tensor([r for r, _ in live], dtype=torch.int32)
+        if self._device is not None:
+            dev_mask, dev_index = self._device
+            dev_mask[:b].copy_(bitmask[:b], non_blocking=True)
+            dev_index[:n].copy_(index[:n], non_blocking=True)
+            bitmask, index = dev_mask[:b], dev_index[:n]
+        else:
+            bitmask, index = bitmask[:b], index[:n]
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=index)
