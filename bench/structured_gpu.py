@@ -1,10 +1,13 @@
 """Issue 18 must-show 3: what guided decoding costs under load, and whether grammar compilation
 stalls other streams. One server (bucketserve, or any OpenAI server such as vLLM given by
 --server-cmd), the mixed workload of `bucketserve bench` split in two halves sent at the same
-time by two load clients: run A "plain" (both halves free text), run B "schema" (the second
-half carries a JSON-schema response_format; every request a different schema, so each one
-compiles). Reported per run: output tok/s and ITL p99 of all streams and of the free-text half;
-then the ratios B / A (targets: tok/s >= 0.9x, ITL p99 <= 1.2x).
+time by two load clients: run B "schema" (the second half carries a JSON-schema
+response_format, every request a different schema, so each one compiles; ignore_eos off: each
+ends where its document ends), then run A "plain" on the same requests without schemas, each
+second-half request given max_tokens = the tokens its schema run made, so that both runs make
+the same tokens and the ratio is the grammar's cost alone (compilation, masks, the host round
+trip a mask needs). Reported per run: output tok/s and ITL p99 of all streams and of the free-text
+half; then the ratios B / A (targets: tok/s >= 0.9x, ITL p99 <= 1.2x).
 
 H200 (1B shape, random weights): start each server on the same model directory, e.g.
   python bench/structured_gpu.py --server-cmd "bucketserve serve --model /tmp/model-llama-1b
@@ -57,30 +60,49 @@ def wait_healthy(base: str, proc: subprocess.Popen, limit_s: float = 900.0) -> N
     raise RuntimeError("server not healthy in time")
 
 
-def bench_half(base: str, args, half: str, schema_offset: int | None, out: Path) -> subprocess.Popen:
+def bench_half(base: str, args, half: str, schema_offset: int | None, out: Path,
+               lengths: dict[int, int] | None = None) -> subprocess.Popen:
     """One load client: `bucketserve bench` on half of the streams. With schema_offset, every
-    request carries a JSON schema (a per-request extra: the workload's JSONL `extra` field)."""
+    request carries a JSON schema (a per-request extra: the workload's JSONL `extra` field) and
+    ends where its JSON document ends (ignore_eos off, as users send it). With `lengths`
+    (request index -> output tokens), those requests get exactly that many tokens."""
     workload = out.with_suffix(".jsonl")
     gen = [sys.executable, "-m", "bucketserve.bench", "bench", "--base-url", base, "--dry-run",
            "--num-requests", str(args.requests // 2), "--prompt-len", args.prompt_len,
            "--output-len", args.output_len, "--endpoint", "chat", "--prompt-kind", "text",
            "--seed", str(1 if half == "b" else 0), "--save-trace", str(workload)]
     subprocess.run(gen, check=True, stdout=subprocess.DEVNULL)
-    if schema_offset is not None:
+    if schema_offset is not None or lengths:
         lines = [json.loads(x) for x in workload.read_text().splitlines() if x.strip()]
         for j, d in enumerate(lines):
-            d["extra"] = {"response_format": {"type": "json_schema", "json_schema": {
-                "name": "s", "schema": schema(schema_offset + j), "strict": True}}}
+            if schema_offset is not None:
+                d["extra"] = {"ignore_eos": False, "response_format": {
+                    "type": "json_schema", "json_schema": {
+                        "name": "s", "schema": schema(schema_offset + j), "strict": True}}}
+            elif j in lengths:
+                d["output_tokens"] = lengths[j]
         workload.write_text("".join(json.dumps(d) + "\n" for d in lines))
     cmd = [sys.executable, "-m", "bucketserve.bench", "bench", "--base-url", base, "--workload",
-           str(workload), "--concurrency", str(args.requests // 2), "--out", str(out),
+           str(workload), "--concurrency", str(args.streams // 2), "--out", str(out),
            "--per-request-out", str(out.with_suffix(".requests.jsonl"))]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
 
 
-def run_pair(base: str, args, with_schema: bool, tag: str, tmp: Path, offset: int) -> dict:
+def output_lengths(per_request: Path) -> dict[int, int]:
+    """Request index -> completion tokens of the requests that completed."""
+    out = {}
+    for line in per_request.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("usage_completion_tokens"):
+            out[r["i"]] = r["usage_completion_tokens"]
+    return out
+
+
+def run_pair(base: str, args, with_schema: bool, tag: str, tmp: Path, offset: int,
+             lengths: dict[int, int] | None = None) -> dict:
     a = bench_half(base, args, "a", None, tmp / f"{tag}_a.json")
-    b = bench_half(base, args, "b", offset if with_schema else None, tmp / f"{tag}_b.json")
+    b = bench_half(base, args, "b", offset if with_schema else None, tmp / f"{tag}_b.json",
+                   lengths)
     for h, p in (("a", a), ("b", b)):
         # exit status 1: some requests failed (the summary says which); no summary: it crashed
         if p.wait() != 0 and not (tmp / f"{tag}_{h}.json").exists():
@@ -92,7 +114,8 @@ def run_pair(base: str, args, with_schema: bool, tag: str, tmp: Path, offset: in
     return {"free_half": sa, "second_half": sb,
             "output_tok_s": sa["output_throughput"] + sb["output_throughput"],
             "free_itl_p99_ms": sa["itl_ms"].get("p99"),
-            "errors": sa["errors"] + sb["errors"]}
+            "errors": sa["errors"] + sb["errors"],
+            "second_half_lengths": output_lengths(tmp / f"{tag}_b.requests.jsonl")}
 
 
 def summarize(plains: list[dict], schemas: list[dict]) -> dict:
@@ -114,7 +137,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server-cmd", default=None, help="starts the server (else: --base-url)")
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
-    ap.add_argument("--requests", type=int, default=256, help="streams (half get schemas)")
+    ap.add_argument("--requests", type=int, default=1024, help="requests (half get schemas)")
+    ap.add_argument("--streams", type=int, default=256, help="concurrent streams, half per client")
     ap.add_argument("--prompt-len", default="loguniform:16:1024")
     ap.add_argument("--output-len", default="uniform:16:256")
     ap.add_argument("--out", default=None)
@@ -125,7 +149,8 @@ def main() -> None:
     args = ap.parse_args()
     proc = None
     if args.dry_run:
-        args.requests, args.prompt_len, args.output_len = 8, "uniform:8:32", args.dry_output_len
+        args.requests, args.streams = 8, 8
+        args.prompt_len, args.output_len = "uniform:8:32", args.dry_output_len
         args.repeats, args.warmup = 1, 0
         args.server_cmd = args.server_cmd or (f"{sys.executable} -m bucketserve.server.cli serve "
                                               "--port 8765 --embedding-model none")
@@ -142,9 +167,12 @@ def main() -> None:
                 run_pair(args.base_url, args, True, "warm_schema", tmp, SCHEMA_COUNT * 8)
             plains, schemas = [], []
             for r in range(args.repeats):  # fresh schemas every repeat: none is a cache hit
-                plains.append(run_pair(args.base_url, args, False, f"plain{r}", tmp, 0))
                 schemas.append(run_pair(args.base_url, args, True, f"schema{r}", tmp,
                                         SCHEMA_COUNT * (r + 1)))
+                # the same requests without schemas, each making as many tokens as its schema
+                # run made (a JSON document ends early; free text runs to max_tokens)
+                plains.append(run_pair(args.base_url, args, False, f"plain{r}", tmp, 0,
+                                       schemas[-1]["second_half_lengths"]))
         report = summarize(plains, schemas)
         print(json.dumps({k: report[k] for k in ("tok_s_ratio", "free_itl_p99_ratio")}))
         print(f"plain: {report['plain_tok_s']:.0f} tok/s, free-half ITL p99 "
