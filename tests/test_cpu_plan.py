@@ -135,6 +135,19 @@ def test_gemm_choice():
                 resolve_cpu_plan(gemm=gemm)
 
 
+def test_encoders_take_onednn_without_measuring(monkeypatch):
+    """default_cpu_plan (the BERT encoders'): oneDNN's packed GEMM wherever torch has it,
+    never a start-up timing (a near tie on MiniLM's weight, which picked MKL in one process
+    out of three, natively and with AVX2 forced); MKL's only without oneDNN's."""
+    dnn, mkl = cpu_plan.onednn_packing_available(), cpu_plan.mkl_packing_available()
+    monkeypatch.setattr(cpu_plan, "measure_gemm", lambda *a, **k: pytest.fail("measured"))
+    plan = cpu_plan.default_cpu_plan.__wrapped__()
+    assert plan.gemm == ("onednn" if dnn else "mkl" if mkl else None)
+    assert llama.packed_gemm_backend() == plan.gemm  # the process's plan (cached)
+    monkeypatch.setattr(cpu_plan, "onednn_packing_available", lambda: False)
+    assert cpu_plan.default_cpu_plan.__wrapped__().gemm == ("mkl" if mkl else None)
+
+
 @pytest.mark.parametrize("gemm", ["onednn", "mkl"])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_packed_gemms_match_f_linear(gemm, rows):

@@ -391,6 +391,44 @@ def test_a_synchronous_encoder_answers_each_batch_before_the_next_runs():
     assert len(calls) == 2
 
 
+def test_two_workers_run_batches_side_by_side_on_shares_of_the_threads():
+    """workers=2: two batches are in the encoder at once (each waits at a barrier for the
+    other), each on its share of the torch threads; a batch alone gets all of them. Every
+    result arrives, in input order; the caller's own thread count is untouched."""
+    pair = threading.Barrier(2, timeout=WAIT_S)  # breaks unless two forwards overlap
+    seen: list[tuple[int, str, int]] = []  # (first id, worker, torch threads)
+
+    def encode(ids, mask):
+        first = int(ids[0, 0])
+        seen.append((first, threading.current_thread().name, torch.get_num_threads()))
+        if first >= 10:
+            pair.wait()
+        return torch.stack([ids.sum(1).float(), mask.sum(1).float()], dim=1)
+
+    caller_threads = torch.get_num_threads()
+
+    async def main():
+        b = EmbeddingBatcher(FunctionRunner(encode), (4, 8), 1, 64, 0.0, workers=2)
+        b.torch_threads = 4
+        b.start()
+        alone = await b.embed([[1, 1]])
+        inputs = [seq(10 + i, 2 + i % 5) for i in range(8)]  # one input per batch
+        out = await b.embed(inputs)
+        await b.shutdown()
+        assert not b.is_alive()
+        return alone, inputs, out
+
+    alone, inputs, out = run(main())
+    assert alone[0].tolist() == [2.0, 2.0] and seen[0][2] == 4
+    assert [o.tolist() for o in out] == [expected(i) for i in inputs]
+    paired = seen[1:]
+    assert len(paired) == 8 and {name for _, name, _ in paired} == {
+        "embedding-batcher-0", "embedding-batcher-1"}
+    # of each overlapping pair, the one that started second ran on its share
+    assert {t for _, _, t in paired} <= {2, 4} and [t for _, _, t in paired].count(2) >= 4
+    assert torch.get_num_threads() == caller_threads
+
+
 def test_embed_texts_with_tokenizer_processes_matches_the_thread_path():
     """Offline embed_texts: tokenizing in worker processes (packed int32 arrays back) gives the
     same vectors, in text order, as the tokenizer function on a helper thread."""

@@ -393,3 +393,45 @@ def test_gemm_epilogues_equal_the_torch_ops(act, gemm):
         torch.testing.assert_close(lin.activated(x, act), want_act, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lin.plus(x, residual), want_add, rtol=1e-5, atol=1e-5)
 
+
+
+def test_two_cpu_workers_match_sentence_transformers(ours, mixed_texts, reference,
+                                                     tiny_bert_dir):
+    """The served CPU batcher (build_batcher): two workers, whose forwards run side by side
+    on shares of the torch threads, give every input sentence-transformers' vector (the
+    first two forwards wait for each other, so both workers run); with a latency SLO, one
+    worker."""
+    import threading
+    from dataclasses import replace
+
+    from bucketserve.buckets import load_buckets
+    from bucketserve.engine.embedding_batcher import build_batcher
+
+    batcher = build_batcher(ours.model, 0, load_buckets().check_model(embedding_max_len=256))
+    assert batcher.workers == (2 if torch.get_num_threads() >= 2 else 1)
+    batcher.workers = 2  # also where torch has one thread (each forward then runs on it)
+    pair, calls, encode = threading.Barrier(2, timeout=60), [], batcher.runner.encode
+
+    def first_two_overlap(ids, mask):
+        calls.append(threading.current_thread().name)
+        if len(calls) <= 2:
+            pair.wait()
+        return encode(ids, mask)
+
+    batcher.runner.encode = first_two_overlap
+    token_ids = ours.tokenizer.encode_batch(mixed_texts)
+
+    async def run():
+        batcher.start()
+        try:
+            return await asyncio.gather(*[batcher.embed([ids]) for ids in token_ids])
+        finally:
+            await batcher.shutdown()
+
+    got = [torch.from_numpy(v[0]) for v in asyncio.run(run())]
+    assert len(set(calls)) == 2
+    _check(got, reference, mixed_texts)
+    tiny = load_embedding_model(str(tiny_bert_dir))
+    buckets = load_buckets().check_model(embedding_max_len=100)
+    slo = replace(buckets, embedding=replace(buckets.embedding, latency_slo_ms=200.0))
+    assert build_batcher(tiny.model, 0, slo).workers == 1

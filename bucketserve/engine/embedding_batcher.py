@@ -8,7 +8,13 @@ adds the threads around it:
   blocks on the encoder;
 - one worker thread takes ready batches from the queue and runs them on a runner
   (embedding_runner.py): it launches batch k+1 before collecting batch k, so on a GPU the
-  host builds the next batch while the device runs the current one;
+  host builds the next batch while the device runs the current one. A CPU encoder with two
+  or more torch threads and no latency SLO gets two workers instead: two batches run at once,
+  each on half of the threads (a forward while the other worker is idle takes them all), so
+  one's host work (filling, pooling, answering) overlaps the other's GEMMs, and small GEMMs
+  run on fewer threads, which they use better. Deadlines keep one worker: they plan one
+  queue order (embedding_queue point 7). torch's thread count is per thread (OpenMP's, MKL's),
+  so each worker sets its own before a forward;
 - the cost table the queue's deadlines plan with (embedding_cost.py): `measure_costs` times a
   few shapes at start-up, and every batch's launch-to-vectors time updates it.
 
@@ -64,7 +70,8 @@ class BatcherStoppedError(RuntimeError):
 
 @dataclass
 class BatcherStats:
-    """Running totals since start; read by the /metrics collector (plain ints, GIL-atomic)."""
+    """Running totals since start, written under the batcher's lock; read by the /metrics
+    collector (plain ints, GIL-atomic)."""
 
     batches_per_bucket: dict[int, int] = field(default_factory=dict)  # bucket length -> batches
     batch_size_counts: dict[int, int] = field(default_factory=dict)  # batch size -> batches
@@ -154,7 +161,8 @@ class EmbeddingBatcher:
     def __init__(self, runner: Runner, boundaries: tuple[int, ...], preferred_batch_size: int,
                  max_batch_tokens: int, max_queue_delay_ms: float, queue_timeout_s: float = 600.0,
                  max_waiting: int = 1024, policy: str = "priority",
-                 max_merged_padding: float = 0.0, latency_slo_ms: float = 0.0) -> None:
+                 max_merged_padding: float = 0.0, latency_slo_ms: float = 0.0,
+                 workers: int = 1) -> None:
         self.runner = runner
         # A runner with compiled batch sizes (CudaGraphRunner.sizes): batches fit them.
         self.queue = BucketQueue(boundaries, preferred_batch_size, max_batch_tokens,
@@ -170,7 +178,12 @@ class EmbeddingBatcher:
         self.num_waiting_requests = 0  # accepted, not yet finished (queued or running)
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        # workers > 1 (synchronous runners only): a forward's torch threads, all of them
+        # alone, or its share while the other workers run one (_forward_threads)
+        self.workers = 1 if getattr(runner, "asynchronous", False) else max(1, workers)
+        self.torch_threads = torch.get_num_threads()
+        self._running = 0  # forwards in progress
 
     def measure_costs(self, budget_s: float = WARMUP_BUDGET_S) -> int:
         """Start-up (before `start`): time a few shapes into the cost table, smallest first,
@@ -201,25 +214,26 @@ class EmbeddingBatcher:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        if self.is_alive():
             return
         self._stopping = False
-        self._thread = threading.Thread(target=self._run_loop, name="embedding-batcher",
-                                        daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run_loop, name=f"embedding-batcher-{i}",
+                                          daemon=True) for i in range(self.workers)]
+        for thread in self._threads:
+            thread.start()
 
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return any(thread.is_alive() for thread in self._threads)
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop taking new batches, fail what is still queued, wait for the worker thread."""
+        """Stop taking new batches, fail what is still queued, wait for the worker threads."""
         with self._cond:
             self._stopping = True
             for item in self.queue.drain():
                 self._finish(item.request, BatcherStoppedError("the server is shutting down"))
             self._cond.notify_all()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout_s)
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join, timeout_s)
 
     # ------------------------------------------------------------------ asyncio front
     async def embed(self, token_id_lists: Sequence[Sequence[int]], priority: int = 0,
@@ -308,6 +322,8 @@ class EmbeddingBatcher:
                     f"an input waited over queue_timeout_s={self.queue.queue_timeout_s:g} s in the "
                     "embedding queue; retry later"))
             batch = self.queue.pop_batch(now)
+            if batch is not None and self.workers > 1:
+                self._cond.notify()  # another worker may take the next ready batch
             if batch is not None or not wait:
                 return batch
             wake = self.queue.next_wake(now)
@@ -324,8 +340,18 @@ class EmbeddingBatcher:
             for item in batch.items:
                 self._finish(item.request, error)
 
+    def _forward_threads(self, delta: int) -> int:
+        """Counts a forward in (delta 1) or out (-1); in: the torch threads it runs on, all
+        when no other worker runs one, else an equal share."""
+        with self._cond:
+            self._running += delta
+            share = self.torch_threads // (self.workers if self._running > 1 else 1)
+        return max(1, share)
+
     def _launch(self, batch: Batch) -> _Running | None:
         start = time.monotonic()
+        if self.workers > 1 and (threads := self._forward_threads(1)) != torch.get_num_threads():
+            torch.set_num_threads(threads)  # this thread's (OpenMP's and MKL's are per thread)
         try:
             if self.faults is not None:
                 self.faults.fire("encode", (item.ids[0] for item in batch.items))
@@ -333,6 +359,9 @@ class EmbeddingBatcher:
         except Exception as exc:  # a model failure fails this batch's requests, not the server
             self._fail(batch, exc)
             return None
+        finally:
+            if self.workers > 1:
+                self._forward_threads(-1)
         return _Running(batch, ticket, start)
 
     def _complete(self, running: _Running) -> None:
@@ -343,15 +372,14 @@ class EmbeddingBatcher:
             self._fail(batch, exc)
             return
         end = time.monotonic()
-        self.stats.encoder_s += end - running.start
-        with self._cond:  # the cost table and the guard (embedding_queue point 8)
-            self.stats.deadline_misses += self.queue.batch_done(
-                batch, running.ticket.padded_rows, end - running.start, end)
-        self.stats.record_batch(batch.length, [item.length for item in batch.items],
-                                [running.start - item.arrival for item in batch.items],
-                                batch.merged, running.ticket)
         resolved: list = []
-        with self._cond:
+        with self._cond:  # the stats (workers may finish together), the cost table and guard
+            self.stats.encoder_s += end - running.start
+            self.stats.deadline_misses += self.queue.batch_done(  # (embedding_queue point 8)
+                batch, running.ticket.padded_rows, end - running.start, end)
+            self.stats.record_batch(batch.length, [item.length for item in batch.items],
+                                    [running.start - item.arrival for item in batch.items],
+                                    batch.merged, running.ticket)
             for r, item in enumerate(batch.items):
                 req = item.request
                 if req.done:
@@ -382,9 +410,11 @@ def build_batcher(model: torch.nn.Module, pad_token_id: int, buckets: BucketsCon
         runner.capture()
     else:
         runner = FunctionRunner(model, pad_token_id, trim=True)  # eager: no bucket padding
+    # CPU: two workers on half of the threads each (module docstring), one under an SLO
+    workers = 2 if kind == "cpu" and torch.get_num_threads() >= 2 and not emb.latency_slo_ms else 1
     batcher = EmbeddingBatcher(runner, emb.boundaries, size, tokens, emb.max_queue_delay_ms,
                                buckets.queue_timeout_s, buckets.max_waiting, buckets.policy,
-                               emb.merged_padding(kind), emb.latency_slo_ms)
+                               emb.merged_padding(kind), emb.latency_slo_ms, workers)
     if emb.latency_slo_ms:  # deadlines plan with the table from the first request on
         with torch.inference_mode():
             batcher.measure_costs()

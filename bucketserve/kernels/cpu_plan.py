@@ -22,7 +22,8 @@ On the AMD EPYC (Zen 5, AVX-512) of this project's 2-core machine MKL's packed s
 AVX2 kernels at ~110 GFLOP/s per core and oneDNN's AVX-512 ones at ~250; on an Intel Xeon
 (AVX-512, AMX) MKL's ran at 153 GFLOP/s at 16 rows against oneDNN's 81 (bench/cpu_profile.py
 measures both at the model's shapes). "auto" measures both on the model's largest projection
-(measure_gemm) and keeps the faster.
+(measure_gemm) and keeps the faster. The BERT encoders (default_cpu_plan) take oneDNN's
+without measuring.
 """
 
 from __future__ import annotations
@@ -282,6 +283,15 @@ def with_measured_gemm(plan: CpuPlan, weight: torch.Tensor) -> CpuPlan:
 @functools.cache
 def default_cpu_plan() -> CpuPlan:
     """The plan of a model packed without one (the BERT encoders): the host's level and
-    torch's dispatch as they are, one GEMM measured once per process on a 1536x384 weight
-    (MiniLM's feed-forward)."""
-    return with_measured_gemm(resolve_cpu_plan(), torch.randn(1536, 384))
+    torch's dispatch as they are, and oneDNN's packed GEMM where this torch has it (else
+    MKL's, or none), not measured. An encoder's forwards are of B x L rows, where oneDNN's
+    has no row limit and runs the GELU and residual adds as epilogues (models/bert.py); a
+    start-up probe on MiniLM's 1536x384 weight was a near tie (32 x 16 / 512 rows, Intel
+    Xeon: oneDNN 2.0-3.3 / 1.5-2.6 ms, MKL 1.5-2.7 / 2.2-3.3 ms) that picked MKL in one
+    process out of three, natively and with AVX2 forced. Served, the two tied on that Xeon;
+    with AVX2 forced on the AMD EPYC, MKL's ran forwards of 3-4 rows 2.4-3.2x slower
+    (docs/benchmarks.md, Embeddings on the CPU)."""
+    if not onednn_packing_available():
+        return resolve_cpu_plan()
+    return dataclasses.replace(resolve_cpu_plan(gemm="onednn"),
+                               gemm_how="the encoders' default, not measured")

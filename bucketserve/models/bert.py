@@ -8,8 +8,8 @@ they never change a real token's result.
 
 Weight names follow Hugging Face's BertModel (with or without the "bert." prefix); query, key and
 value are fused into one [3H, H] projection at load time (bert_loader.py) for one GEMM per layer.
-On a float32 CPU model, `pack_cpu_weights()` lets the projections use the packed GEMM the Llama
-model's helpers chose for this CPU (oneDNN or MKL, measured at the first pack): oneDNN's for
+On a float32 CPU model, `pack_cpu_weights()` lets the projections use the packed GEMM of
+kernels/cpu_plan.default_cpu_plan (oneDNN's where torch has it, else MKL's): oneDNN's for
 every forward, MKL's for forwards of at most PACKED_MAX_ROWS tokens, where it is faster. With
 oneDNN's, the feed-forward GELU and the two residual adds of a layer run in the GEMMs'
 epilogues (_Linear.activated / .plus) instead of as passes of their own.
