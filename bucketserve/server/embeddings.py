@@ -85,8 +85,8 @@ class EmbeddingRequest(TextRequest):
 
 class FastEmbeddingRequest(msgspec.Struct):
     """EmbeddingRequest's fields with the same types and bounds, for msgspec's decoder (no
-    bool for an int, no float for an int, unknown fields ignored). A body it refuses is
-    decoded again by `EmbeddingRequest`, whose error is the one sent (decode_request)."""
+    bool for an int, no float for an int, unknown fields ignored). A body it refuses goes to
+    the FastAPI route over `EmbeddingRequest`, whose error is the one sent."""
 
     input: Any
     model: str | None = None
@@ -119,8 +119,8 @@ class CoalescingTokenizer:
     `encode_batch` call runs in a helper thread (the tokenizers library encodes a batch on all
     cores, the GIL released), the requests that come join the next call, one per truncation
     length. So 64 clients sending one text each cost one call, and a lone request waits for no
-    one. A ValueError (a truncation length too short) is its request's alone: that group is
-    then encoded request by request."""
+    one. A call fails only for its truncation length (too short: a ValueError), so its
+    exception is the answer of every request that asked for that length, and of no other."""
 
     def __init__(self, encode_batch: Any) -> None:
         self._encode = encode_batch
@@ -146,7 +146,7 @@ class CoalescingTokenizer:
             resolve_futures([(job[2], r) for job, r in zip(jobs, results, strict=True)])
 
     def _run(self, jobs: list[_Job]) -> list:
-        """In the helper thread: per job, its token ids or the exception it raised."""
+        """In the helper thread: per job, its token ids or the exception its call raised."""
         results: list = [None] * len(jobs)
         groups: dict[int | None, list[int]] = {}
         for i, (_, max_len, _) in enumerate(jobs):
@@ -156,12 +156,9 @@ class CoalescingTokenizer:
                 ids = iter(self._encode([t for i in members for t in jobs[i][0]], max_len))
                 for i in members:
                     results[i] = list(itertools.islice(ids, len(jobs[i][0])))
-            except Exception:  # find whose: one call per request of this group
+            except Exception as exc:  # noqa: BLE001 - handed to each request of the group
                 for i in members:
-                    try:
-                        results[i] = self._encode(jobs[i][0], max_len)
-                    except Exception as exc:
-                        results[i] = exc
+                    results[i] = exc
         return results
 
 
