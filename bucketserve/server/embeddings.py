@@ -9,10 +9,11 @@ replaces `[embedding] latency_slo_ms` for its inputs (engine/embedding_queue.py)
 
 The route is a plain ASGI endpoint on the app, behind its middlewares (auth, body limit), not
 a FastAPI route: on the 2-core CPU a FastAPI route here served 0.86x the embeddings of this one
-(docs/architecture.md, Size). A JSON body is decoded by msgspec into `FastEmbeddingRequest`;
-any other (a body msgspec refuses, another content type) goes through a FastAPI route over the
-pydantic `EmbeddingRequest`, so its error body is the one FastAPI gives. Clients that go away
-are found by one watcher task per service, not a task per request.
+(docs/architecture.md, Size). An `application/json` body is validated by pydantic's own JSON
+parser into `EmbeddingRequest` (no FastAPI request handling); any other (one that fails, another
+content type) goes through a FastAPI route over the same model, so its error body is the one
+FastAPI gives. Clients that go away are found by one watcher task per service, not a task per
+request.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from fastapi import APIRouter
 from fastapi.routing import APIRoute
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import Field
+from pydantic import Field, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
@@ -81,23 +82,6 @@ class EmbeddingRequest(TextRequest):
     user: str | None = None
     truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
     priority: Annotated[Int, Field(ge=-(2**63), le=2**63 - 1)] = 0  # lower runs first
-
-
-class FastEmbeddingRequest(msgspec.Struct):
-    """EmbeddingRequest's fields with the same types and bounds, for msgspec's decoder (no
-    bool for an int, no float for an int, unknown fields ignored). A body it refuses goes to
-    the FastAPI route over `EmbeddingRequest`, whose error is the one sent."""
-
-    input: Any
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    user: str | None = None
-    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
-    priority: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
-
-
-_decode_fast = msgspec.json.Decoder(FastEmbeddingRequest).decode
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -260,10 +244,9 @@ class EmbeddingService(EncoderService):
         self._watching: dict[asyncio.Task, tuple[Request, float]] = {}  # (client, since)
         self._watcher: asyncio.Future | None = None
         # the service as a plain ASGI app (a class instance: starlette's Route calls it as it
-        # is, without its request/response wrapping); bodies msgspec does not take go to a
-        # FastAPI route over EmbeddingRequest
+        # is, without its request/response wrapping), and FastAPI's route for the other bodies
         self.router.add_route("/v1/embeddings", self, methods=["POST"])
-        self._pydantic_route = APIRoute("/v1/embeddings", self._pydantic_body, methods=["POST"])
+        self.fastapi_route = APIRoute("/v1/embeddings", self._answer, methods=["POST"])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """POST /v1/embeddings: one request, from its ASGI messages to its response."""
@@ -274,18 +257,14 @@ class EmbeddingService(EncoderService):
             return
         decoded = None
         if body and request.headers.get("content-type") == "application/json":
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-                decoded = _decode_fast(body)
-        if decoded is None:  # FastAPI finds the error and words it, or decodes the body
-            await self._pydantic_route.handle(scope, _replay(body, receive), send)
+            with contextlib.suppress(ValidationError):
+                decoded = EmbeddingRequest.model_validate_json(body)
+        if decoded is None:  # FastAPI finds the error and words it, or reads the body
+            await self.fastapi_route.handle(scope, _replay(body, receive), send)
         else:
             await (await self._answer(decoded, request))(scope, receive, send)
 
-    async def _pydantic_body(self, body: EmbeddingRequest, request: Request) -> Response:
-        return await self._answer(body, request)
-
-    async def _answer(self, body: EmbeddingRequest | FastEmbeddingRequest,
-                      request: Request) -> Response:
+    async def _answer(self, body: EmbeddingRequest, request: Request) -> Response:
         """The response to one decoded request (APIError when it cannot be served)."""
         ctx = getattr(request.app.state, "ctx", None)
         if ctx is not None and ctx.inflight.draining:
@@ -336,7 +315,7 @@ class EmbeddingService(EncoderService):
         if self._watcher is me:
             self._watcher = None
 
-    async def create(self, body: EmbeddingRequest | FastEmbeddingRequest,
+    async def create(self, body: EmbeddingRequest,
                      request_log: RequestLog | None = None,
                      deadline_header: str | None = None) -> bytes:
         """The response body for one decoded request (APIError when it cannot be served)."""
@@ -357,7 +336,7 @@ class EmbeddingService(EncoderService):
         # a large float body takes long to serialise: keep the event loop free
         return await asyncio.to_thread(_render, *args)
 
-    def _check_fields(self, body: EmbeddingRequest | FastEmbeddingRequest) -> None:
+    def _check_fields(self, body: EmbeddingRequest) -> None:
         check_model(body.model, self.model_name, "/v1/embeddings")
         dim = self.loaded.model.embedding_dim
         if body.dimensions is not None and body.dimensions != dim:
@@ -370,7 +349,7 @@ class EmbeddingService(EncoderService):
                                   f"maximum input length) or -1 for the maximum; got {trunc}",
                                   "truncate_prompt_tokens")
 
-    async def _token_ids(self, body: EmbeddingRequest | FastEmbeddingRequest
+    async def _token_ids(self, body: EmbeddingRequest
                          ) -> list[list[int]]:
         """Token ids per input (truncated when asked); refuses empty, too many, too long
         inputs and token ids outside the vocabulary."""
