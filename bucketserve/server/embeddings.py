@@ -12,8 +12,8 @@ a FastAPI route: on the 2-core CPU a FastAPI route here served 0.86x the embeddi
 (docs/architecture.md, Size). An `application/json` body is validated by pydantic's own JSON
 parser into `EmbeddingRequest` (no FastAPI request handling); any other (one that fails, another
 content type) goes through a FastAPI route over the same model, so its error body is the one
-FastAPI gives. Clients that go away are found by one watcher task per service, not a task per
-request.
+FastAPI gives. Clients that go away are found by the server's one watcher task
+(server/generation.py until_disconnect), not a task per request.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -56,7 +56,7 @@ from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.outputs import QueueFullError
 from bucketserve.models.bert_loader import LoadedEncoder, load_embedding_model
 from bucketserve.server.errors import APIError, check_model, invalid_request, overloaded
-from bucketserve.server.generation import DISCONNECT_POLL_S, ClientGone
+from bucketserve.server.generation import ClientGone, until_disconnect
 from bucketserve.server.metrics import size_buckets, slot_buckets
 from bucketserve.server.protocol import Int, TextRequest, worker_tag
 from bucketserve.server.request_log import RequestLog
@@ -241,8 +241,6 @@ class EmbeddingService(EncoderService):
         self.queue_timeout_s = buckets.queue_timeout_s
         self.metrics_collector = BatcherStatsCollector(self.batcher)
         self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
-        self._watching: dict[asyncio.Task, tuple[Request, float]] = {}  # (client, since)
-        self._watcher: asyncio.Future | None = None
         # the service as a plain ASGI app (a class instance: starlette's Route calls it as it
         # is, without its request/response wrapping), and FastAPI's route for the other bodies
         self.router.add_route("/v1/embeddings", self, methods=["POST"])
@@ -271,49 +269,13 @@ class EmbeddingService(EncoderService):
             raise overloaded("the server is shutting down; retry later", "shutting_down")
         request_log = getattr(getattr(ctx, "metrics", None), "request_log", None)
         try:  # a client gone drops its inputs that are still queued (batcher.embed)
-            content = await self._watched(
-                self.create(body, request_log, request.headers.get(DEADLINE_HEADER)), request)
+            content = await until_disconnect(
+                request, self.create(body, request_log, request.headers.get(DEADLINE_HEADER)))
         except ClientGone:  # nobody reads it; nginx's "client closed request"
             return Response(status_code=499)
         tag = worker_tag()  # --api-workers: which front end answered
         return Response(content, media_type="application/json",
                         headers=None if tag is None else {"x-bucketserve-worker": tag})
-
-    async def _watched(self, awaitable: Awaitable[bytes], client: Request) -> bytes:
-        """Awaits in this task; the service's watcher cancels it when its client goes away
-        (then ClientGone)."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._watching[task] = (client, time.monotonic())
-        watcher = self._watcher
-        if watcher is None or watcher.done() or watcher.get_loop() is not task.get_loop():
-            self._watcher = asyncio.ensure_future(self._watch_clients())
-        try:
-            return await awaitable
-        except asyncio.CancelledError:
-            if task not in self._watching:  # the watcher found its client gone
-                task.uncancel()
-                raise ClientGone() from None
-            raise
-        finally:
-            self._watching.pop(task, None)
-
-    async def _watch_clients(self) -> None:
-        """Every DISCONNECT_POLL_S while requests are in flight: cancels those whose client
-        has gone (their queued inputs are dropped, batcher.embed)."""
-        me = asyncio.current_task()
-        while True:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            if not self._watching:
-                break
-            now = time.monotonic()
-            for task, (client, since) in list(self._watching.items()):
-                if now - since >= DISCONNECT_POLL_S and not task.done() \
-                        and await client.is_disconnected():
-                    self._watching.pop(task, None)
-                    task.cancel()
-        if self._watcher is me:
-            self._watcher = None
 
     async def create(self, body: EmbeddingRequest,
                      request_log: RequestLog | None = None,
@@ -349,8 +311,7 @@ class EmbeddingService(EncoderService):
                                   f"maximum input length) or -1 for the maximum; got {trunc}",
                                   "truncate_prompt_tokens")
 
-    async def _token_ids(self, body: EmbeddingRequest
-                         ) -> list[list[int]]:
+    async def _token_ids(self, body: EmbeddingRequest) -> list[list[int]]:
         """Token ids per input (truncated when asked); refuses empty, too many, too long
         inputs and token ids outside the vocabulary."""
         inputs = parse_input(body.input)
