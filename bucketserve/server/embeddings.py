@@ -70,6 +70,9 @@ _INLINE_RENDER_MAX = 64
 _COALESCE_MAX_TEXTS = 8
 
 DEADLINE_HEADER = "X-Request-Deadline-Ms"
+# The batcher's refusals (503 + Retry-After) and their error codes.
+_REFUSALS = {QueueFullError: "queue_full", QueueTimeoutError: "queue_timeout",
+             BatcherStoppedError: "shutting_down"}
 
 _INPUT_KINDS = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
@@ -219,12 +222,8 @@ class EncoderService:
         """batcher.embed, its refusals and failures as the API errors they answer."""
         try:
             return await self.batcher.embed(rows, **kw)
-        except QueueFullError as exc:
-            raise overloaded(str(exc), "queue_full") from exc
-        except QueueTimeoutError as exc:
-            raise overloaded(str(exc), "queue_timeout") from exc
-        except BatcherStoppedError as exc:
-            raise overloaded(str(exc), "shutting_down") from exc
+        except tuple(_REFUSALS) as exc:
+            raise overloaded(str(exc), _REFUSALS[type(exc)]) from exc
         except EncoderError as exc:
             raise APIError(500, str(exc), "server_error", None, "encoder_error") from exc
 
@@ -238,7 +237,6 @@ class EmbeddingService(EncoderService):
         super().__init__(loaded, buckets)
         self.batcher.faults = faults
         self.max_inputs = buckets.embedding.max_inputs_per_request
-        self.queue_timeout_s = buckets.queue_timeout_s
         self.metrics_collector = BatcherStatsCollector(self.batcher)
         self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
         # the service as a plain ASGI app (a class instance: starlette's Route calls it as it
@@ -282,7 +280,7 @@ class EmbeddingService(EncoderService):
                      deadline_header: str | None = None) -> bytes:
         """The response body for one decoded request (APIError when it cannot be served)."""
         arrival = time.monotonic()
-        budget_s = parse_deadline_ms(deadline_header, self.queue_timeout_s)
+        budget_s = parse_deadline_ms(deadline_header, self.batcher.queue.queue_timeout_s)
         self._check_fields(body)
         token_ids = await self._token_ids(body)
         vectors = await self.encode(token_ids, priority=body.priority, budget_s=budget_s,
