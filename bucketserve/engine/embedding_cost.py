@@ -68,7 +68,6 @@ class CostTable:
         self.alpha = alpha
         self._recent: deque[float] = deque(maxlen=recent)  # the last batches' seconds
         self.cells: dict[tuple[int, int], float] = {}  # (L, B) -> seconds (EWMA)
-        self.samples: dict[tuple[int, int], int] = {}  # (L, B) -> batches observed
         self.live: set[tuple[int, int]] = set()  # shapes some live batch ran at
         self._start: dict[tuple[int, int], float] = {}  # start-up cells (observe without inputs)
         # L -> (seconds per input live batches of bucket L paid above the start-up model,
@@ -102,7 +101,6 @@ class CostTable:
         self._average(self.cells, key, seconds)
         self._since_fit[False] += 1
         self._recent.append(seconds)
-        self.samples[key] = self.samples.get(key, 0) + 1
 
     def _average(self, cells: dict[tuple[int, int], float], key: tuple[int, int],
                  seconds: float) -> None:
