@@ -39,7 +39,6 @@ class EmbeddingTokenizer:
         self._tok.no_padding()
         self._tok.no_truncation()
         self.do_lower_case = do_lower_case
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         # Rust batch encoding over all cores, the GIL released; the _fast variant (tokenizers
         # >= 0.20) skips character offsets, which embeddings never use (~25% faster).
         self._encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
