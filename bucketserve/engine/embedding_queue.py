@@ -413,12 +413,11 @@ class BucketQueue:
         limit = self.batch_limit(length, overload)
         bucket = self._buckets[length]  # up to `limit` inputs, best first
         items = bucket.take(itertools.islice(bucket.in_order(), limit))
-        batch = Batch(length, items)
+        batch = Batch(length, items, overload=overload)
         if len(items) < limit and self.max_merged_padding > 0:
-            self._merge(batch, overload)
+            self._merge(batch)
         if self.graph_sizes:
             self._fit_graph_size(batch)
-        batch.overload = overload
         self._in_flight += 1
         return batch
 
@@ -450,7 +449,7 @@ class BucketQueue:
         batch.length = max(item.bucket for item in kept)
         batch.merged = any(item.bucket != batch.length for item in kept)
 
-    def _merge(self, batch: Batch, overload: bool = False) -> None:
+    def _merge(self, batch: Batch) -> None:
         """Tops the batch up with other buckets' inputs within the padding bound (point 4)."""
         items = batch.items
         n = len(items)
@@ -462,9 +461,9 @@ class BucketQueue:
         best_take: list[QueuedInput] = []
         for t in range(first, len(bounds)):
             T = bounds[t]
-            room = self.batch_limit(T, overload) - n
+            room = self.batch_limit(T, batch.overload) - n
             if room <= 0:
-                if overload:
+                if batch.overload:
                     continue  # targets need not fall with the length, as capacities do
                 break  # larger T hold no more inputs (capacity falls with the length)
             if (n * T - useful) / ((n + room) * T) > bound:
