@@ -293,8 +293,8 @@ def test_latency_slo_measures_costs_at_start_and_learns_from_batches(loaded, tmp
     app, service = make_app(loaded, tmp_path, "[embedding]\nlatency_slo_ms = 200\n")
     table = service.batcher.queue.cost
     assert service.batcher.queue.latency_slo_s == 0.2
-    warm = dict(table.samples)
-    assert warm and all(n == 1 for n in warm.values())  # the start-up shapes, one batch each
+    warm = table.version  # observations so far
+    assert warm and warm == len(table.cells)  # the start-up shapes, one batch each
     texts = ["slo one", "slo two"]
 
     async def fn(client):
@@ -304,5 +304,5 @@ def test_latency_slo_measures_costs_at_start_and_learns_from_batches(loaded, tmp
 
     responses, metrics = call(app, service, fn)
     assert all(r.status_code == 200 for r in responses)
-    assert sum(table.samples.values()) == len(warm) + service.batcher.stats.num_batches
+    assert table.version == warm + service.batcher.stats.num_batches
     assert ("bucketserve_embedding_deadline_misses_total", ()) in metrics

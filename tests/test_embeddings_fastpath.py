@@ -1,7 +1,9 @@
-"""The lean /v1/embeddings route decodes bodies with msgspec (server/embeddings.py,
-decode_request): every body must come out as FastAPI's handling of the pydantic
-EmbeddingRequest made it, the same fields for a valid one, the same status and error body for
-a bad one. The reference here is a FastAPI route over EmbeddingRequest, in the same process."""
+"""The lean /v1/embeddings route validates JSON bodies with pydantic's JSON parser and hands
+the rest to a FastAPI route over the same EmbeddingRequest (server/embeddings.py,
+EmbeddingService): every body must come out as FastAPI's handling of EmbeddingRequest made it,
+the same fields for a valid one, the same status and error body for a bad one. The reference
+here is a FastAPI route over EmbeddingRequest, in the same process; the service's `create` is
+replaced by one that answers the fields it was given."""
 
 from __future__ import annotations
 
@@ -13,13 +15,10 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 
-from bucketserve.server.embeddings import (
-    EmbeddingRequest,
-    FastEmbeddingRequest,
-    _render,
-    decode_request,
-)
-from bucketserve.server.errors import APIError, install_exception_handlers
+from bucketserve.buckets import load_buckets
+from bucketserve.models.bert_loader import load_embedding_model
+from bucketserve.server.embeddings import EmbeddingRequest, EmbeddingService, _render
+from bucketserve.server.errors import install_exception_handlers
 
 FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
           "priority")
@@ -72,49 +71,74 @@ def reference_app() -> FastAPI:
     app = FastAPI()
     install_exception_handlers(app)
 
-    @app.post("/ref")
+    @app.post("/v1/embeddings")
     async def ref(body: EmbeddingRequest) -> dict:
         return {"fields": repr([getattr(body, f) for f in FIELDS])}
 
     return app
 
 
-def reference(bodies: list[tuple[bytes, str | None]]) -> list[httpx.Response]:
+@pytest.fixture(scope="module")
+def service_app() -> tuple[FastAPI, list[str]]:
+    """The service's route with `create` answering the fields; the path ("lean" or
+    "fastapi") each body that reached `create` took."""
+    service = EmbeddingService(load_embedding_model("all-minilm-l6-v2"), load_buckets())
+    paths: list[str] = []
+    in_fastapi = False
+
+    async def create(body, request_log=None, deadline_header=None) -> bytes:
+        paths.append("fastapi" if in_fastapi else "lean")
+        return json.dumps({"fields": repr([getattr(body, f) for f in FIELDS])}).encode()
+
+    async def handle(scope, receive, send) -> None:
+        nonlocal in_fastapi
+        in_fastapi = True
+        try:
+            await fastapi_handle(scope, receive, send)
+        finally:
+            in_fastapi = False
+
+    service.create = create
+    fastapi_handle, service.fastapi_route.handle = service.fastapi_route.handle, handle
+    app = FastAPI()
+    install_exception_handlers(app)
+    app.include_router(service.router)
+    return app, paths
+
+
+def post_all(app: FastAPI, bodies: list[tuple[bytes, str | None]]) -> list[httpx.Response]:
     async def go() -> list[httpx.Response]:
-        transport = httpx.ASGITransport(app=reference_app())
+        transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             out = []
             for body, ctype in bodies:
                 headers = {} if ctype is None else {"content-type": ctype}
-                out.append(await client.post("/ref", content=body, headers=headers))
+                out.append(await client.post("/v1/embeddings", content=body, headers=headers))
             return out
 
     return asyncio.run(go())
 
 
-def test_decode_request_matches_fastapi_on_every_case():
-    fast_ok = 0
-    for (body, ctype), ref in zip(CASES, reference(CASES), strict=True):
-        try:
-            got = decode_request(body, ctype)
-        except APIError as err:
-            assert ref.status_code == err.status, (body[:80], ctype, ref.text)
-            assert ref.json() == err.body(), (body[:80], ctype)
-            continue
-        assert ref.status_code == 200, (body[:80], ctype, ref.text)
-        assert repr([getattr(got, f) for f in FIELDS]) == ref.json()["fields"], body
-        fast_ok += isinstance(got, FastEmbeddingRequest)
-    assert fast_ok >= 8  # the plain requests took msgspec's path, not the fallback
+def test_the_route_decodes_as_fastapi_does_on_every_case(service_app):
+    app, paths = service_app
+    paths.clear()
+    for (body, ctype), ref, got in zip(CASES, post_all(reference_app(), CASES),
+                                       post_all(app, CASES), strict=True):
+        assert got.status_code == ref.status_code, (body[:80], ctype, ref.text, got.text)
+        assert got.json() == ref.json(), (body[:80], ctype)
+    # the plain requests took the lean path, the valid others (a +json content type, ...)
+    # FastAPI's route
+    assert paths.count("lean") >= 8 and "fastapi" in paths
 
 
-def test_surrogate_and_type_errors_name_their_field():
-    with pytest.raises(APIError) as e:
-        decode_request(b'{"input": ["fine", "\\ud800"]}', JSON)
-    assert e.value.status == 400 and e.value.param == "input"
-    assert "surrogate" in e.value.message
-    with pytest.raises(APIError) as e:
-        decode_request(b'{"input": "x", "encoding_format": "int8"}', JSON)
-    assert e.value.param == "encoding_format"
+def test_surrogate_and_type_errors_name_their_field(service_app):
+    app, _ = service_app
+    surrogate, fmt = post_all(app, [(b'{"input": ["fine", "\\ud800"]}', JSON),
+                                    (b'{"input": "x", "encoding_format": "int8"}', JSON)])
+    err = surrogate.json()["error"]
+    assert surrogate.status_code == 400 and err["param"] == "input"
+    assert "surrogate" in err["message"]
+    assert fmt.json()["error"]["param"] == "encoding_format"
 
 
 @pytest.mark.parametrize("fmt", ["float", "base64"])

@@ -94,14 +94,18 @@ def test_score_matches_cross_encoder(client, reference):
     assert abs(one["data"][0]["score"] - reference["score"][0]) < 1e-4
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
-    ("/v1/rerank", {"query": "q", "documents": ["x " * 300]}, "documents"),
-    ("/v1/rerank", {"query": "q", "documents": ["x"], "top_n": 0}, "top_n"),
-    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
-    ("/v1/score", {"text_1": "a", "text_2": "b", "model": "nope"}, "model"),
+@pytest.mark.parametrize(("path", "body", "status", "param"), [
+    ("/v1/rerank", {"query": "q", "documents": []}, 400, "documents"),
+    ("/v1/rerank", {"query": "q", "documents": ["x " * 300]}, 400, "documents"),
+    ("/v1/rerank", {"query": "q", "documents": ["x"], "top_n": 0}, 400, "top_n"),
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, 400, "text_2"),
+    # another model: 404 model_not_found, as on every other route
+    ("/v1/score", {"text_1": "a", "text_2": "b", "model": "nope"}, 404, "model"),
+    ("/v1/rerank", {"query": "q", "documents": ["x"], "model": "nope"}, 404, "model"),
 ])
-def test_bad_requests(client, path, body, param):
+def test_bad_requests(client, path, body, status, param):
     r = client.post(path, json=body)
-    assert r.status_code == 400, r.text
+    assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+    if status == 404:
+        assert r.json()["error"]["code"] == "model_not_found"

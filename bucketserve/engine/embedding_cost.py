@@ -68,17 +68,16 @@ class CostTable:
         self.alpha = alpha
         self._recent: deque[float] = deque(maxlen=recent)  # the last batches' seconds
         self.cells: dict[tuple[int, int], float] = {}  # (L, B) -> seconds (EWMA)
-        self.samples: dict[tuple[int, int], int] = {}  # (L, B) -> batches observed
         self.live: set[tuple[int, int]] = set()  # shapes some live batch ran at
-        self.excess_s = 0.0  # seconds per input live batches paid above the start-up model
-        self.excess_per_length: dict[int, tuple[float, int]] = {}  # L -> (excess, batches)
-        self._live_batches = 0
         self._start: dict[tuple[int, int], float] = {}  # start-up cells (observe without inputs)
-        self._coef: tuple[float, ...] | None = None
-        self._start_coef: tuple[float, ...] | None = None
-        self._start_dirty = False
+        # L -> (seconds per input live batches of bucket L paid above the start-up model,
+        # batches); L = 0: over every bucket
+        self._excess: dict[int, tuple[float, int]] = {}
+        # per set of cells (True: the start-up ones, False: all): its fit, and observations
+        # of it since that fit
+        self._coef: dict[bool, tuple[float, ...] | None] = {}
+        self._since_fit = {True: 0, False: 0}
         self.version = 0  # observations so far (the queue recomputes what it derived from us)
-        self._since_fit = 0  # observations since the last fit of all cells
 
     def observe(self, length: int, rows: int, seconds: float, inputs: int | None = None) -> None:
         """One measured batch of `rows` x `length` took `seconds`. inputs: the real inputs of
@@ -89,36 +88,36 @@ class CostTable:
         self.version += 1
         if inputs is not None and inputs > 0 and self._start:
             sample = max(0.0, seconds - self._predict_from(self._start, True, length, rows))
-            self._learn_excess(length, sample / inputs)
-        old = self.cells.get(key)
-        if inputs is not None:
-            if key not in self.live:  # a live cell starts from live batches alone
-                self.live.add(key)
-                old = None
-        else:
-            start = self._start.get(key)
-            self._start[key] = seconds if start is None else start + self.alpha * (seconds - start)
-            self._start_dirty = True
+            for k in (0, length):  # the first batches average plainly, then the EWMA
+                value, count = self._excess.get(k, (0.0, 0))
+                step = max(self.alpha, 1.0 / (count + 1)) * (sample / inputs - value)
+                self._excess[k] = (value + step, count + 1)
+        if inputs is None:
+            self._average(self._start, key, seconds)
+            self._since_fit[True] += 1
+        elif key not in self.live:  # a live cell starts from live batches alone
+            self.live.add(key)
+            self.cells.pop(key, None)
+        self._average(self.cells, key, seconds)
+        self._since_fit[False] += 1
         self._recent.append(seconds)
-        self.cells[key] = seconds if old is None else old + self.alpha * (seconds - old)
-        self.samples[key] = self.samples.get(key, 0) + 1
-        self._since_fit += 1
 
-    def _learn_excess(self, length: int, sample: float) -> None:
-        # the first batches average plainly, then the moving average takes over
-        self._live_batches += 1
-        self.excess_s += max(self.alpha, 1.0 / self._live_batches) * (sample - self.excess_s)
-        value, count = self.excess_per_length.get(length, (0.0, 0))
-        count += 1
-        value += max(self.alpha, 1.0 / count) * (sample - value)
-        self.excess_per_length[length] = (value, count)
+    def _average(self, cells: dict[tuple[int, int], float], key: tuple[int, int],
+                 seconds: float) -> None:
+        old = cells.get(key)
+        cells[key] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    @property
+    def excess_s(self) -> float:
+        """Seconds per input live batches paid above the start-up model, over every bucket."""
+        return self._excess.get(0, (0.0, 0))[0]
 
     def excess(self, length: int) -> float:
         """Seconds per input live batches of bucket `length` paid above the start-up model:
         this bucket's own average once EXCESS_MIN_BATCHES of its batches ran, else every
         bucket's (on a CPU under other load the excess grows with the length, on a GPU's
         host path it is about the same for every length)."""
-        value, count = self.excess_per_length.get(length, (0.0, 0))
+        value, count = self._excess.get(length, (0.0, 0))
         return value if count >= EXCESS_MIN_BATCHES else self.excess_s
 
     def recent_max(self) -> float:
@@ -141,19 +140,15 @@ class CostTable:
             return exact
         if not cells:
             return 0.0
-        if len(cells) < 3:
-            return self._scaled_nearest(cells, length, rows)
-        if start:
-            if self._start_dirty:
-                self._start_coef = self._fit(cells)
-                self._start_dirty = False
-            coef = self._start_coef
-        else:
-            # the live cells change with every batch: refit every REFIT_EVERY of them
-            if self._since_fit and (self._coef is None or self._since_fit >= REFIT_EVERY):
-                self._coef = self._fit(cells)
-                self._since_fit = 0
-            coef = self._coef
+        coef = None
+        if len(cells) >= 3:
+            # the start-up cells change at start-up only: refit after any change; the live
+            # cells change with every batch: refit every REFIT_EVERY observations
+            stale = self._since_fit[start]
+            if stale and (start or self._coef.get(start) is None or stale >= REFIT_EVERY):
+                self._coef[start] = self._fit(cells)
+                self._since_fit[start] = 0
+            coef = self._coef.get(start)
         if coef is None:
             return self._scaled_nearest(cells, length, rows)
         return sum(c * x for c, x in zip(coef, _features(length, rows), strict=True))

@@ -263,9 +263,7 @@ class BucketQueue:
     def drain(self) -> list[QueuedInput]:
         """Remove and return every queued input (shutdown)."""
         out = [item for b in self._buckets.values() for item in b.take(b.in_order())]
-        for b in self._buckets.values():
-            b.fifos.clear()
-            b.deadlines.clear()
+        self._buckets = {length: _Bucket() for length in self.spec.boundaries}
         return out
 
     def expired(self, now: float) -> list[Any]:
@@ -375,38 +373,32 @@ class BucketQueue:
                    for length, bucket in self._buckets.items() if bucket.live)
         return work > self._max_budget_s
 
-    def _ready_at(self, length: int, bucket: _Bucket, oldest: float, now: float,
-                  starts: dict[int, float]) -> float:
-        """When this non-empty bucket is ready (point 2); <= now: ready."""
-        if bucket.live >= self.capacity(length):
-            return now
-        at = starts.get(length, math.inf)
-        return at if self.latency_slo_s else min(at, oldest + self.max_queue_delay_s)
+    def _ready_times(self, now: float
+                     ) -> Iterator[tuple[int, _Bucket, list[QueuedInput], float, float]]:
+        """(length, bucket, its FIFOs' heads, their oldest arrival, when the bucket is ready:
+        point 2, <= now: ready) of every non-empty bucket."""
+        starts = self.start_times(now)
+        for length, bucket in self._buckets.items():
+            if heads := list(bucket.heads()):
+                oldest = min(h.arrival for h in heads)
+                at = now if bucket.live >= self.capacity(length) else starts.get(length, math.inf)
+                if not self.latency_slo_s:
+                    at = min(at, oldest + self.max_queue_delay_s)
+                yield length, bucket, heads, oldest, at
 
     def next_wake(self, now: float) -> float | None:
         """When the earliest not-yet-ready bucket becomes ready (None: nothing queued); a
         value <= now means some bucket is ready. Adding inputs can move it earlier."""
-        starts = self.start_times(now)
-        wakes = []
-        for length, bucket in self._buckets.items():
-            oldest = min((h.arrival for h in bucket.heads()), default=None)
-            if oldest is not None:
-                wakes.append(self._ready_at(length, bucket, oldest, now, starts))
-        return min(wakes, default=None)
+        return min((at for *_, at in self._ready_times(now)), default=None)
 
     def pop_batch(self, now: float) -> Batch | None:
         """The next batch to run (docstring points 2-4, 7), removed from the queue; None when
         no bucket is ready."""
         best: tuple[tuple[int, float, float, float, int], int] | None = None
-        starts = self.start_times(now)
         overload = self.overloaded(now)
         starving = now - STARVE_SHARE * self.queue_timeout_s  # arrived before: oldest first
-        for length, bucket in self._buckets.items():
-            heads = list(bucket.heads())
-            if not heads:
-                continue
-            oldest = min(h.arrival for h in heads)
-            if self._ready_at(length, bucket, oldest, now, starts) <= now:
+        for length, bucket, heads, oldest, at in self._ready_times(now):
+            if at <= now:
                 prio = min(h.priority for h in heads)
                 seq = min(h.seq for h in heads if h.priority == prio)
                 # point 9: under overload a starving bucket (oldest first), then the fullest
@@ -421,12 +413,11 @@ class BucketQueue:
         limit = self.batch_limit(length, overload)
         bucket = self._buckets[length]  # up to `limit` inputs, best first
         items = bucket.take(itertools.islice(bucket.in_order(), limit))
-        batch = Batch(length, items)
+        batch = Batch(length, items, overload=overload)
         if len(items) < limit and self.max_merged_padding > 0:
-            self._merge(batch, overload)
+            self._merge(batch)
         if self.graph_sizes:
             self._fit_graph_size(batch)
-        batch.overload = overload
         self._in_flight += 1
         return batch
 
@@ -458,7 +449,7 @@ class BucketQueue:
         batch.length = max(item.bucket for item in kept)
         batch.merged = any(item.bucket != batch.length for item in kept)
 
-    def _merge(self, batch: Batch, overload: bool = False) -> None:
+    def _merge(self, batch: Batch) -> None:
         """Tops the batch up with other buckets' inputs within the padding bound (point 4)."""
         items = batch.items
         n = len(items)
@@ -470,9 +461,9 @@ class BucketQueue:
         best_take: list[QueuedInput] = []
         for t in range(first, len(bounds)):
             T = bounds[t]
-            room = self.batch_limit(T, overload) - n
+            room = self.batch_limit(T, batch.overload) - n
             if room <= 0:
-                if overload:
+                if batch.overload:
                     continue  # targets need not fall with the length, as capacities do
                 break  # larger T hold no more inputs (capacity falls with the length)
             if (n * T - useful) / ((n + room) * T) > bound:

@@ -30,7 +30,6 @@ runs eagerly at its padded size, so the padding-row and shape-selection logic is
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +40,7 @@ import numpy as np
 import torch
 
 from bucketserve.buckets import BucketSpec, round_up_batch_size
+from bucketserve.kernels.cuda_graphs import CaptureStats, pool_bytes
 
 log = logging.getLogger("bucketserve.embeddings")
 
@@ -102,13 +102,6 @@ class FunctionRunner:
         return ticket.result
 
 
-@dataclass
-class CaptureReport:
-    num_graphs: int
-    seconds: float
-    pool_bytes: int
-
-
 def graph_shapes(spec: BucketSpec, batch_sizes: Sequence[int],
                  capacity: Callable[[int], int]) -> list[tuple[int, int]]:
     """(B, L) shapes worth capturing: for each bucket length L, the batch sizes up to the one
@@ -152,13 +145,9 @@ class CudaGraphRunner:
         self._slot = 0
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.report: CaptureReport | None = None
+        self.report: CaptureStats | None = None
         self.num_graph_batches = 0  # batches at a captured shape (CPU: at a padded shape)
         self.num_eager_batches = 0  # batches above the largest captured size
-
-    def _on_stream(self) -> contextlib.AbstractContextManager:
-        return (torch.cuda.stream(self.stream) if self.stream is not None
-                else contextlib.nullcontext())
 
     # ------------------------------------------------------------------ forward over statics
     def _forward(self, rows: int, length: int) -> None:
@@ -168,15 +157,13 @@ class CudaGraphRunner:
         self.dev_out[:rows].copy_(out)
 
     @torch.inference_mode()
-    def capture(self) -> CaptureReport:
+    def capture(self) -> CaptureStats:
         """Captures every shape, largest first, into one pool; logs count, time, memory."""
-        from bucketserve.kernels.cuda_graphs import pool_bytes
-
         torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
         warmed: set[int] = set()
-        with self._on_stream():
+        with torch.cuda.stream(self.stream):  # None (CPU): no-op
             for rows, length in self.shapes:
                 # fill the statics with valid padding rows (length 1), as any replay sees
                 fill_rows(self._host_in_np[0][: rows * (length + 1)].reshape(rows, length + 1),
@@ -195,7 +182,7 @@ class CudaGraphRunner:
                     graph.capture_end()
                 self.graphs[(rows, length)] = graph
         torch.cuda.synchronize(self.device)
-        report = CaptureReport(len(self.graphs), time.perf_counter() - t0, pool_bytes(self.pool))
+        report = CaptureStats(len(self.graphs), time.perf_counter() - t0, pool_bytes(self.pool))
         self.report = report
         sizes = sorted({b for b, _ in self.shapes})
         log.info("captured %d embedding graphs (%d length buckets %d..%d x batch sizes %s) in "
@@ -224,7 +211,7 @@ class CudaGraphRunner:
         count = padded * (length + 1)
         fill_rows(self._host_in_np[slot][:count].reshape(padded, length + 1), rows,
                   self.pad_token_id)
-        with self._on_stream():
+        with torch.cuda.stream(self.stream):  # None (CPU): no-op
             self.dev_in[:count].copy_(self.host_in[slot][:count], non_blocking=True)
             graph = self.graphs.get((padded, length))
             if graph is not None:

@@ -204,22 +204,8 @@ class BertEncoder(nn.Module):
         self.embeddings = BertEmbeddings(cfg)
         self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids [B, L] long, attention_mask [B, L] bool or None -> hidden [B, L, H]."""
-        # A mask with no padding changes nothing; None lets SDPA take its unmasked fast path
-        # (checking costs a host sync: forward_keys below is the sync-free variant).
-        key_mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            key_mask = additive_key_mask(attention_mask, self.embeddings.LayerNorm.weight.dtype)
-        return self.forward_keys(input_ids, key_mask, token_type_ids)
-
-    def forward_keys(self, input_ids: torch.Tensor, key_mask: torch.Tensor | None,
-                     token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, key_mask: torch.Tensor | None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, L] long, key_mask [B, 1, 1, L] additive (0 / -inf) or None -> hidden
         [B, L, H]. No host sync: CUDA graphs capture this."""
         x = self.embeddings(input_ids, token_type_ids)
@@ -229,13 +215,14 @@ class BertEncoder(nn.Module):
             x = layer(x, B, key_mask)
         return x.view(B, L, H)
 
-
-def additive_key_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean key mask [B, L] (True = real) -> additive [B, 1, 1, L] (0 / -inf), built once
-    per forward: SDPA would convert a boolean mask again in every layer (two extra ops each,
-    which on a busy CPU cost as much as a GEMM). Every row keeps >= 1 real key ([CLS])."""
-    key_mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    return key_mask.masked_fill_(~mask, -math.inf)[:, None, None, :]
+    def key_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """Boolean key mask [B, L] (True = real) -> additive [B, 1, 1, L] (0 / -inf) in the
+        model's dtype, built once per forward: SDPA would convert a boolean mask again in every
+        layer (two extra ops each, which on a busy CPU cost as much as a GEMM). Every row keeps
+        >= 1 real key ([CLS])."""
+        key_mask = torch.zeros(mask.shape, dtype=self.embeddings.LayerNorm.weight.dtype,
+                               device=mask.device)
+        return key_mask.masked_fill_(~mask, -math.inf)[:, None, None, :]
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: tuple[str, ...]) -> torch.Tensor:
@@ -255,11 +242,9 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: tuple[str, ...]) -> to
             summed = (hidden * m).sum(dim=1)
             denom = lengths.to(hidden.dtype).clamp(min=1.0).unsqueeze(-1)
             parts.append(summed / (denom if mode == "mean" else denom.sqrt()))
-        elif mode == "lasttoken":
+        else:  # "lasttoken" (BertEmbeddingModel refuses any other mode)
             rows = torch.arange(hidden.shape[0], device=hidden.device)
             parts.append(hidden[rows, lengths - 1])
-        else:
-            raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
@@ -278,7 +263,10 @@ class _EncoderModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """input_ids [B, L] long, attention_mask [B, L] bool -> [B, D] float32."""
-        hidden = self.encoder(input_ids, attention_mask, self.token_types(input_ids))
+        # A mask with no padding changes nothing; None lets SDPA take its unmasked fast path
+        # (checking costs a host sync: embed_lengths below is the sync-free variant).
+        key_mask = None if bool(attention_mask.all()) else self.encoder.key_mask(attention_mask)
+        hidden = self.encoder(input_ids, key_mask, self.token_types(input_ids))
         return self.head(hidden, attention_mask)
 
     @torch.inference_mode()
@@ -288,8 +276,8 @@ class _EncoderModel(nn.Module):
         graph per (B, L) can capture it; padding rows of a graph are rows of length 1."""
         ids = input_ids.long()
         mask = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]
-        key_mask = additive_key_mask(mask, self.encoder.embeddings.LayerNorm.weight.dtype)
-        return self.head(self.encoder.forward_keys(ids, key_mask, self.token_types(ids)), mask)
+        hidden = self.encoder(ids, self.encoder.key_mask(mask), self.token_types(ids))
+        return self.head(hidden, mask)
 
 
 class BertEmbeddingModel(_EncoderModel):

@@ -7,17 +7,15 @@ worker processes import only this, bench/embeddings_gpu.py TokenizerProcesses).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 # ASCII control characters BertNormalizer's clean_text removes (tab, newline, return stay: they
-# are whitespace to the pre-tokenizer either way).
-_ASCII_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-# The same but NUL (the separator of a chunk joined into one string, _fast_texts), as bytes:
-# bytes.translate deletes them in one pass, several times faster than a regex search.
+# are whitespace to the pre-tokenizer either way), but NUL (the separator of a chunk joined into
+# one string, _fast_texts; a NUL of a text shows in their count), as bytes: bytes.translate
+# deletes them in one pass, several times faster than a regex search.
 _CONTROL_BUT_NUL = bytes(range(1, 9)) + b"\x0b\x0c" + bytes(range(0x0E, 0x20)) + b"\x7f"
 
 
@@ -41,7 +39,6 @@ class EmbeddingTokenizer:
         self._tok.no_padding()
         self._tok.no_truncation()
         self.do_lower_case = do_lower_case
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         # Rust batch encoding over all cores, the GIL released; the _fast variant (tokenizers
         # >= 0.20) skips character offsets, which embeddings never use (~25% faster).
         self._encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
@@ -61,20 +58,11 @@ class EmbeddingTokenizer:
         encode = getattr(plain, "encode_batch_fast", plain.encode_batch)
         return encode, bool(norm.get("lowercase", True)), specials
 
-    def _fast_text(self, text: str) -> str | None:
-        """The text the normalizer-free copy encodes to the same ids, or None (full path)."""
-        if not text.isascii() or _ASCII_CONTROL.search(text):
-            return None
-        low = text.lower()
-        for s in self._specials:  # added tokens are matched before (or after) normalizing
-            if s in text or s.lower() in low:
-                return None
-        return low if self._plain_lower else text
-
     def _fast_texts(self, texts: list[str]) -> list[str] | None:
-        """_fast_text of every text when all of them take the fast path, else None: the chunk
-        joined by NUL and checked at once (a NUL inside a text is a control character, so the
-        NUL count tells whether the split gives the texts back)."""
+        """The texts the normalizer-free copy encodes to the same ids, when all of them take
+        the fast path, else None: the chunk joined by NUL and checked at once (a NUL inside a
+        text is a control character, so the NUL count tells whether the split gives the texts
+        back)."""
         joined = "\0".join(texts)
         if not joined.isascii() or joined.count("\0") != len(texts) - 1:
             return None
@@ -97,12 +85,13 @@ class EmbeddingTokenizer:
         every = self._fast_texts(texts) if texts else None
         if every is not None:
             return self._plain(every, add_special_tokens=add_special_tokens)
-        fast = [self._fast_text(t) for t in texts]
+        fast = [self._fast_texts([t]) for t in texts]  # per text: [its fast text] or None
         out: list = [None] * len(texts)
-        for encode, src, keep in ((self._plain, fast, True), (self._encode, texts, False)):
+        for encode, keep in ((self._plain, True), (self._encode, False)):
             picks = [i for i, f in enumerate(fast) if (f is not None) == keep]
             if picks:
-                encs = encode([src[i] for i in picks], add_special_tokens=add_special_tokens)
+                encs = encode([(fast[i] or [texts[i]])[0] for i in picks],
+                              add_special_tokens=add_special_tokens)
                 for i, e in zip(picks, encs, strict=True):
                     out[i] = e
         return out

@@ -7,7 +7,7 @@ from functools import lru_cache
 
 from bucketserve.engine.async_engine import AsyncEngine
 from bucketserve.engine.sequence import TokenLogprob
-from bucketserve.server.errors import APIError
+from bucketserve.server.errors import check_model
 from bucketserve.server.generation import InFlight
 from bucketserve.server.metrics import ServerMetrics
 
@@ -43,10 +43,7 @@ class ServerContext:
         return self.engine.pool_tokens
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist here; this server serves "
-                           f"{self.model_name!r} (see GET /v1/models)", "invalid_request_error",
-                           "model", "model_not_found")
+        check_model(name, self.model_name)
 
     def _token_text(self, token_id: int) -> str:
         """One token on its own, special tokens included (the `token` of a logprob entry)."""

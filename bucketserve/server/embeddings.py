@@ -9,35 +9,37 @@ replaces `[embedding] latency_slo_ms` for its inputs (engine/embedding_queue.py)
 
 The route is a plain ASGI endpoint on the app, behind its middlewares (auth, body limit), not
 a FastAPI route: on the 2-core CPU a FastAPI route here served 0.86x the embeddings of this one
-(docs/architecture.md, Size). The body is decoded by msgspec into `FastEmbeddingRequest`; a
-body msgspec refuses goes through FastAPI's own steps (json, then the pydantic
-`EmbeddingRequest`), so its error body is the one FastAPI gives. Clients that go away are
-found by one watcher task per service, not a task per request.
+(docs/architecture.md, Size). An `application/json` body is validated by pydantic's own JSON
+parser into `EmbeddingRequest` (no FastAPI request handling); any other (one that fails, another
+content type) goes through a FastAPI route over the same model, so its error body is the one
+FastAPI gives. Clients that go away are found by the server's one watcher task
+(server/generation.py until_disconnect), not a task per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import email.message
+import contextlib
 import itertools
 import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
 import torch
 from fastapi import APIRouter
-from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import Field, ValidationError, model_validator
-from starlette.requests import Request
-from starlette.types import Receive, Scope, Send
+from pydantic import Field, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 from bucketserve.buckets import BucketsConfig, load_buckets
 from bucketserve.engine.embedding_batcher import (
@@ -52,14 +54,11 @@ from bucketserve.engine.embedding_batcher import (
 from bucketserve.engine.embedding_runner import CudaGraphRunner
 from bucketserve.engine.faults import FaultPlan
 from bucketserve.engine.outputs import QueueFullError
-from bucketserve.models.bert_loader import (
-    LoadedEncoder,
-    load_embedding_model,
-)
-from bucketserve.server.errors import APIError, invalid_request, overloaded, validation_message
-from bucketserve.server.generation import DISCONNECT_POLL_S, ClientGone
+from bucketserve.models.bert_loader import LoadedEncoder, load_embedding_model
+from bucketserve.server.errors import APIError, check_model, invalid_request, overloaded
+from bucketserve.server.generation import ClientGone, until_disconnect
 from bucketserve.server.metrics import size_buckets, slot_buckets
-from bucketserve.server.protocol import Int, _Request, check_text, worker_tag
+from bucketserve.server.protocol import Int, TextRequest, worker_tag
 from bucketserve.server.request_log import RequestLog
 
 log = logging.getLogger("bucketserve.embeddings")
@@ -71,11 +70,14 @@ _INLINE_RENDER_MAX = 64
 _COALESCE_MAX_TEXTS = 8
 
 DEADLINE_HEADER = "X-Request-Deadline-Ms"
+# The batcher's refusals (503 + Retry-After) and their error codes.
+_REFUSALS = {QueueFullError: "queue_full", QueueTimeoutError: "queue_timeout",
+             BatcherStoppedError: "shutting_down"}
 
 _INPUT_KINDS = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(TextRequest):
     input: Any  # checked by parse_input, for messages that name the offending item
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
@@ -84,75 +86,15 @@ class EmbeddingRequest(_Request):
     truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
     priority: Annotated[Int, Field(ge=-(2**63), le=2**63 - 1)] = 0  # lower runs first
 
-    @model_validator(mode="before")
-    @classmethod
-    def refuse_lone_surrogates(cls, data: Any) -> Any:
-        return check_text(data)
 
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` with the body, already read, given again first."""
+    messages: list[Message] = [{"type": "http.request", "body": body}]
 
+    async def replay() -> Message:
+        return messages.pop() if messages else await receive()
 
-class FastEmbeddingRequest(msgspec.Struct):
-    """EmbeddingRequest's fields with the same types and bounds, for msgspec's decoder (no
-    bool for an int, no float for an int, unknown fields ignored). A body it refuses is
-    decoded again by `EmbeddingRequest`, whose error is the one sent (decode_request)."""
-
-    input: Any
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    user: str | None = None
-    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
-    priority: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
-
-
-_decode_fast = msgspec.json.Decoder(FastEmbeddingRequest).decode
-
-
-def _is_json(content_type: str | None) -> bool:
-    """FastAPI's test of a JSON body (strict content type: a body without one is not JSON)."""
-    if not content_type:
-        return False
-    if content_type == "application/json":
-        return True
-    message = email.message.Message()
-    message["content-type"] = content_type
-    subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (
-        subtype == "json" or subtype.endswith("+json"))
-
-
-def decode_request(body: bytes, content_type: str | None
-                   ) -> FastEmbeddingRequest | EmbeddingRequest:
-    """The request body as an object with EmbeddingRequest's fields; APIError 400 when it is
-    not one, with the message FastAPI's handling of `EmbeddingRequest` gave."""
-    if body and _is_json(content_type):
-        try:
-            return _decode_fast(body)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-            pass  # FastAPI's steps below find the error and word it
-    if not body:
-        raise _invalid(RequestValidationError([{"type": "missing", "loc": ("body",),
-                                                "msg": "Field required", "input": None}]))
-    value: Any = body
-    if _is_json(content_type):
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError as exc:
-            raise _invalid(RequestValidationError([{
-                "type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
-                "input": {}, "ctx": {"error": exc.msg}}])) from None
-        except Exception:  # e.g. nesting deeper than the recursion limit
-            raise APIError(400, "There was an error parsing the body", "invalid_request_error",
-                           code=400) from None
-    try:
-        return EmbeddingRequest.model_validate(value, from_attributes=True)
-    except ValidationError as exc:
-        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
-        raise _invalid(RequestValidationError(errors)) from None
-
-
-def _invalid(exc: RequestValidationError) -> APIError:
-    return invalid_request(*validation_message(exc))
+    return replay
 
 
 _encode = msgspec.json.encode
@@ -164,8 +106,8 @@ class CoalescingTokenizer:
     `encode_batch` call runs in a helper thread (the tokenizers library encodes a batch on all
     cores, the GIL released), the requests that come join the next call, one per truncation
     length. So 64 clients sending one text each cost one call, and a lone request waits for no
-    one. A ValueError (a truncation length too short) is its request's alone: that group is
-    then encoded request by request."""
+    one. A call fails only for its truncation length (too short: a ValueError), so its
+    exception is the answer of every request that asked for that length, and of no other."""
 
     def __init__(self, encode_batch: Any) -> None:
         self._encode = encode_batch
@@ -191,7 +133,7 @@ class CoalescingTokenizer:
             resolve_futures([(job[2], r) for job, r in zip(jobs, results, strict=True)])
 
     def _run(self, jobs: list[_Job]) -> list:
-        """In the helper thread: per job, its token ids or the exception it raised."""
+        """In the helper thread: per job, its token ids or the exception its call raised."""
         results: list = [None] * len(jobs)
         groups: dict[int | None, list[int]] = {}
         for i, (_, max_len, _) in enumerate(jobs):
@@ -201,12 +143,9 @@ class CoalescingTokenizer:
                 ids = iter(self._encode([t for i in members for t in jobs[i][0]], max_len))
                 for i in members:
                     results[i] = list(itertools.islice(ids, len(jobs[i][0])))
-            except Exception:  # find whose: one call per request of this group
+            except Exception as exc:  # noqa: BLE001 - handed to each request of the group
                 for i in members:
-                    try:
-                        results[i] = self._encode(jobs[i][0], max_len)
-                    except Exception as exc:
-                        results[i] = exc
+                    results[i] = exc
         return results
 
 
@@ -283,12 +222,8 @@ class EncoderService:
         """batcher.embed, its refusals and failures as the API errors they answer."""
         try:
             return await self.batcher.embed(rows, **kw)
-        except QueueFullError as exc:
-            raise overloaded(str(exc), "queue_full") from exc
-        except QueueTimeoutError as exc:
-            raise overloaded(str(exc), "queue_timeout") from exc
-        except BatcherStoppedError as exc:
-            raise overloaded(str(exc), "shutting_down") from exc
+        except tuple(_REFUSALS) as exc:
+            raise overloaded(str(exc), _REFUSALS[type(exc)]) from exc
         except EncoderError as exc:
             raise APIError(500, str(exc), "server_error", None, "encoder_error") from exc
 
@@ -302,99 +237,50 @@ class EmbeddingService(EncoderService):
         super().__init__(loaded, buckets)
         self.batcher.faults = faults
         self.max_inputs = buckets.embedding.max_inputs_per_request
-        self.queue_timeout_s = buckets.queue_timeout_s
         self.metrics_collector = BatcherStatsCollector(self.batcher)
         self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
-        self._watching: dict[asyncio.Task, tuple[Request, float]] = {}  # (client, since)
-        self._watcher: asyncio.Future | None = None
         # the service as a plain ASGI app (a class instance: starlette's Route calls it as it
-        # is, without its request/response wrapping)
+        # is, without its request/response wrapping), and FastAPI's route for the other bodies
         self.router.add_route("/v1/embeddings", self, methods=["POST"])
+        self.fastapi_route = APIRoute("/v1/embeddings", self._answer, methods=["POST"])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """POST /v1/embeddings: one request, from its ASGI messages to its response."""
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        content_type = deadline = None
-        for name, value in scope["headers"]:
-            if name == b"content-type" and content_type is None:
-                content_type = value.decode("latin-1")
-            elif name == b"x-request-deadline-ms" and deadline is None:
-                deadline = value.decode("latin-1")
-        state = getattr(scope.get("app"), "state", None)
-        ctx = getattr(state, "ctx", None)
+        request = Request(scope, receive)
         try:
-            request = decode_request(body, content_type)
-            if ctx is not None and ctx.inflight.draining:
-                raise overloaded("the server is shutting down; retry later", "shutting_down")
-            request_log = getattr(getattr(ctx, "metrics", None), "request_log", None)
-            # a client gone drops its inputs that are still queued (batcher.embed)
-            content = await self._watched(self.create(request, request_log, deadline),
-                                          Request(scope, receive))
-        except APIError as err:
-            await err.response()(scope, receive, send)
+            body = await request.body()
+        except ClientDisconnect:  # the client left before sending its body
             return
-        except ClientGone:  # nobody reads it; nginx's "client closed request"
-            content, status = b"", 499
+        decoded = None
+        if body and request.headers.get("content-type") == "application/json":
+            with contextlib.suppress(ValidationError):
+                decoded = EmbeddingRequest.model_validate_json(body)
+        if decoded is None:  # FastAPI finds the error and words it, or reads the body
+            await self.fastapi_route.handle(scope, _replay(body, receive), send)
         else:
-            status = 200
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(content)).encode())]
-        tag = worker_tag()
-        if tag is not None:  # --api-workers: which front end answered
-            headers.append((b"x-bucketserve-worker", tag.encode()))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": content})
+            await (await self._answer(decoded, request))(scope, receive, send)
 
-    async def _watched(self, awaitable: Awaitable[bytes], client: Request) -> bytes:
-        """Awaits in this task; the service's watcher cancels it when its client goes away
-        (then ClientGone)."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._watching[task] = (client, time.monotonic())
-        watcher = self._watcher
-        if watcher is None or watcher.done() or watcher.get_loop() is not task.get_loop():
-            self._watcher = asyncio.ensure_future(self._watch_clients())
-        try:
-            return await awaitable
-        except asyncio.CancelledError:
-            if task not in self._watching:  # the watcher found its client gone
-                task.uncancel()
-                raise ClientGone() from None
-            raise
-        finally:
-            self._watching.pop(task, None)
+    async def _answer(self, body: EmbeddingRequest, request: Request) -> Response:
+        """The response to one decoded request (APIError when it cannot be served)."""
+        ctx = getattr(request.app.state, "ctx", None)
+        if ctx is not None and ctx.inflight.draining:
+            raise overloaded("the server is shutting down; retry later", "shutting_down")
+        request_log = getattr(getattr(ctx, "metrics", None), "request_log", None)
+        try:  # a client gone drops its inputs that are still queued (batcher.embed)
+            content = await until_disconnect(
+                request, self.create(body, request_log, request.headers.get(DEADLINE_HEADER)))
+        except ClientGone:  # nobody reads it; nginx's "client closed request"
+            return Response(status_code=499)
+        tag = worker_tag()  # --api-workers: which front end answered
+        return Response(content, media_type="application/json",
+                        headers=None if tag is None else {"x-bucketserve-worker": tag})
 
-    async def _watch_clients(self) -> None:
-        """Every DISCONNECT_POLL_S while requests are in flight: cancels those whose client
-        has gone (their queued inputs are dropped, batcher.embed)."""
-        me = asyncio.current_task()
-        while True:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            if not self._watching:
-                break
-            now = time.monotonic()
-            for task, (client, since) in list(self._watching.items()):
-                if now - since >= DISCONNECT_POLL_S and not task.done() \
-                        and await client.is_disconnected():
-                    self._watching.pop(task, None)
-                    task.cancel()
-        if self._watcher is me:
-            self._watcher = None
-
-    async def create(self, body: EmbeddingRequest | FastEmbeddingRequest,
+    async def create(self, body: EmbeddingRequest,
                      request_log: RequestLog | None = None,
                      deadline_header: str | None = None) -> bytes:
         """The response body for one decoded request (APIError when it cannot be served)."""
         arrival = time.monotonic()
-        budget_s = parse_deadline_ms(deadline_header, self.queue_timeout_s)
+        budget_s = parse_deadline_ms(deadline_header, self.batcher.queue.queue_timeout_s)
         self._check_fields(body)
         token_ids = await self._token_ids(body)
         vectors = await self.encode(token_ids, priority=body.priority, budget_s=budget_s,
@@ -410,38 +296,30 @@ class EmbeddingService(EncoderService):
         # a large float body takes long to serialise: keep the event loop free
         return await asyncio.to_thread(_render, *args)
 
-    def _check_fields(self, body: EmbeddingRequest | FastEmbeddingRequest) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist here; /v1/embeddings "
-                           f"serves {self.model_name!r} (see GET /v1/models)",
-                           "invalid_request_error", "model", "model_not_found")
+    def _check_fields(self, body: EmbeddingRequest) -> None:
+        check_model(body.model, self.model_name, "/v1/embeddings")
         dim = self.loaded.model.embedding_dim
         if body.dimensions is not None and body.dimensions != dim:
             raise invalid_request(f"{self.model_name} returns {dim}-dimensional vectors and "
                                   f"cannot shorten them; omit dimensions or set it to {dim}",
                                   "dimensions")
-        limit = self.max_input_tokens
-        if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > limit:
-            raise invalid_request(f"truncate_prompt_tokens {body.truncate_prompt_tokens} is over "
-                                  f"the model's maximum input length {limit}; use at most {limit} "
-                                  "(or -1 for the maximum)", "truncate_prompt_tokens")
-        if body.truncate_prompt_tokens == 0:
-            raise invalid_request("truncate_prompt_tokens must be >= 1, or -1 for the model's "
-                                  "maximum input length", "truncate_prompt_tokens")
+        limit, trunc = self.max_input_tokens, body.truncate_prompt_tokens
+        if trunc is not None and not (trunc == -1 or 1 <= trunc <= limit):
+            raise invalid_request(f"truncate_prompt_tokens must be 1 to {limit} (the model's "
+                                  f"maximum input length) or -1 for the maximum; got {trunc}",
+                                  "truncate_prompt_tokens")
 
-    async def _token_ids(self, body: EmbeddingRequest | FastEmbeddingRequest
-                         ) -> list[list[int]]:
-        """Token ids per input (truncated when asked); refuses empty, too many, too long."""
+    async def _token_ids(self, body: EmbeddingRequest) -> list[list[int]]:
+        """Token ids per input (truncated when asked); refuses empty, too many, too long
+        inputs and token ids outside the vocabulary."""
         inputs = parse_input(body.input)
         if len(inputs) > self.max_inputs:
             raise APIError(413, f"input has {len(inputs)} items, over the limit of "
                            f"{self.max_inputs} per request (embedding.max_inputs_per_request); "
                            "split it into several requests", "invalid_request_error", "input",
                            "too_many_inputs")
-
         limit = self.max_input_tokens
-        trunc = body.truncate_prompt_tokens
-        max_len = None if trunc is None else (limit if trunc == -1 else trunc)
+        max_len = limit if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
         if isinstance(inputs[0], str):
             texts: list[str] = inputs  # type: ignore[assignment]
             try:
@@ -453,22 +331,17 @@ class EmbeddingService(EncoderService):
             except ValueError as exc:
                 raise invalid_request(str(exc), "truncate_prompt_tokens") from exc
         else:
-            vocab = self.loaded.config.vocab_size
-            token_ids = [list(ids) for ids in inputs]  # type: ignore[arg-type]
-            for i, ids in enumerate(token_ids):
-                bad = next((t for t in ids if t >= vocab), None)
-                if bad is not None:
-                    raise invalid_request(f"input[{i}] has token id {bad}, outside the "
-                                          f"vocabulary (0..{vocab - 1})", "input")
-            if max_len is not None:
-                token_ids = [ids[:max_len] for ids in token_ids]
-
+            token_ids = [ids[:max_len] for ids in inputs]  # type: ignore[misc]
+        vocab = self.loaded.config.vocab_size
         for i, ids in enumerate(token_ids):
             if len(ids) > limit:
                 raise invalid_request(
                     f"input[{i}] has {len(ids)} tokens, over the model's maximum input length "
                     f"of {limit} tokens; shorten it or set truncate_prompt_tokens (-1 truncates "
                     "to the maximum)", "input", "input_too_long")
+            if max(ids) >= vocab:
+                raise invalid_request(f"input[{i}] has token id {max(ids)}, outside the "
+                                      f"vocabulary (0..{vocab - 1})", "input")
         return token_ids
 
 

@@ -68,6 +68,13 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+def check_model(name: str | None, served: str, where: str = "this server") -> None:
+    """404 model_not_found unless the request named no model or the one `where` serves."""
+    if name is not None and name != served:
+        raise APIError(404, f"the model {name!r} does not exist here; {where} serves {served!r} "
+                       "(see GET /v1/models)", "invalid_request_error", "model", "model_not_found")
+
+
 def overloaded(message: str, code: str) -> APIError:
     return APIError(503, message, "server_overloaded", None, code,
                     headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -11,6 +11,7 @@ the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -214,19 +215,50 @@ async def collect_choices(outputs: AsyncIterator[tuple[int, RequestOutput]], n_j
     return got
 
 
-async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
-    """Awaits `awaitable` while polling the client; if it goes away, cancels the awaitable
-    (whose cleanup aborts the engine requests) and raises ClientGone."""
-    task = asyncio.ensure_future(awaitable)
-    try:
+class _ClientWatcher:
+    """One task per event loop, not one per request, that polls the clients of the requests
+    awaiting in `until_disconnect` every DISCONNECT_POLL_S and cancels those whose client has
+    gone."""
+
+    def __init__(self) -> None:
+        self.watching: dict[asyncio.Task, tuple[Request, float]] = {}  # (client, since)
+        self.task: asyncio.Future | None = None
+
+    async def run(self) -> None:
+        me = asyncio.current_task()
         while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise ClientGone()
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if not self.watching:
+                break
+            now = time.monotonic()
+            for task, (client, since) in list(self.watching.items()):
+                if now - since >= DISCONNECT_POLL_S and not task.done() \
+                        and await client.is_disconnected():
+                    self.watching.pop(task, None)
+                    task.cancel()
+        if self.task is me:
+            self.task = None
+
+
+_watcher = _ClientWatcher()
+
+
+async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
+    """Awaits `awaitable` in this task while the watcher polls the client; if it goes away,
+    the task is cancelled (the awaitable's cleanup aborts the engine requests or drops the
+    queued inputs) and ClientGone raised."""
+    task = asyncio.current_task()
+    assert task is not None
+    _watcher.watching[task] = (request, time.monotonic())
+    running = _watcher.task
+    if running is None or running.done() or running.get_loop() is not task.get_loop():
+        _watcher.task = asyncio.ensure_future(_watcher.run())
+    try:
+        return await awaitable
+    except asyncio.CancelledError:
+        if task not in _watcher.watching:  # the watcher found its client gone
+            task.uncancel()
+            raise ClientGone() from None
+        raise
     finally:
-        if not task.done():
-            task.cancel()
+        _watcher.watching.pop(task, None)

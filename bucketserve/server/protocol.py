@@ -101,17 +101,21 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Request):
-    include_usage: Bool = False
-
-
-class SamplingFields(_Request):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class TextRequest(_Request):
+    """A request whose strings must be Unicode text (no lone surrogates)."""
 
     @model_validator(mode="before")
     @classmethod
     def refuse_lone_surrogates(cls, data: Any) -> Any:
         return check_text(data)
+
+
+class StreamOptions(_Request):
+    include_usage: Bool = False
+
+
+class SamplingFields(TextRequest):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the served model
     max_tokens: Int | None = Field(default=None, ge=1)

@@ -19,7 +19,7 @@ from pydantic import Field
 from bucketserve.buckets import BucketsConfig
 from bucketserve.models.bert_loader import LoadedEncoder, load_cross_encoder
 from bucketserve.server.embeddings import EncoderService
-from bucketserve.server.errors import invalid_request
+from bucketserve.server.errors import check_model, invalid_request
 from bucketserve.server.protocol import Bool, Int, _Request, new_id, now
 
 MAX_DOCUMENTS = 1024
@@ -47,11 +47,6 @@ class RerankService(EncoderService):
         self.router.add_api_route("/v1/rerank", self.rerank, methods=["POST"])
         self.router.add_api_route("/v1/score", self.score, methods=["POST"])
 
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise invalid_request(f"model {name!r} is not served here; the rerank model is "
-                                  f"{self.model_name!r}", "model", "model_not_found")
-
     async def pair_scores(self, pairs: list[tuple[str, str]], param: str) -> tuple[list[float], int]:
         """(score per pair, tokens in all) through the batcher."""
         texts = sorted({t for p in pairs for t in p})
@@ -66,7 +61,7 @@ class RerankService(EncoderService):
         return [float(v[0]) for v in out], sum(map(len, rows))
 
     async def rerank(self, body: RerankRequest) -> dict[str, Any]:
-        self._check_model(body.model)
+        check_model(body.model, self.model_name, "/v1/rerank")
         scores, tokens = await self.pair_scores([(body.query, d) for d in body.documents],
                                                 "documents")
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n]
@@ -80,7 +75,7 @@ class RerankService(EncoderService):
                 "usage": {"total_tokens": tokens}}
 
     async def score(self, body: ScoreRequest) -> dict[str, Any]:
-        self._check_model(body.model)
+        check_model(body.model, self.model_name, "/v1/score")
         a = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         b = [body.text_2] if isinstance(body.text_2, str) else body.text_2
         if not a or not b or not all(a) or not all(b):
