@@ -215,6 +215,56 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert EOS not in tokens.tolist() and 12 not in tokens.tolist()
 
 
+def reference_plain(s: Sequence) -> bool:
+    """The fast path's condition, read from the params as it was before the row flags."""
+    p = s.params
+    return not (p.temperature >= 1e-5 or p.logprobs is not None or p.repetition_penalty != 1.0
+                or s.grammar is not None or p.logit_bias
+                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                or (p.min_tokens and len(s.token_ids) + s.num_pending - s.num_prompt_tokens
+                    < p.min_tokens))
+
+
+ROW_KINDS = [
+    {}, {"temperature": 0.0}, {"temperature": 0.0, "top_k": 1}, {"top_k": 1},
+    {"temperature": 0.0, "logprobs": 0}, {"temperature": 0.0, "logit_bias": {3: 2.0}},
+    {"temperature": 0.0, "repetition_penalty": 1.2}, {"temperature": 0.0, "presence_penalty": 0.5},
+    {"temperature": 0.0, "frequency_penalty": -0.4}, {"temperature": 0.0, "min_tokens": 1},
+    {"temperature": 0.0, "min_tokens": 3}, {"temperature": 0.0, "min_tokens": 4},
+    {"temperature": 0.0, "min_tokens": 2, "logit_bias": {0: -1.0}, "presence_penalty": 0.1},
+]
+
+
+@pytest.mark.parametrize("pending", [0, 1])
+def test_row_flags_decide_as_the_params(pending):
+    """Sequence's sampling flags (read once from the params) give the same fast-path, argmax
+    and min_tokens decisions as the params read every step, pending tokens included."""
+    from bucketserve.engine.sampler import _min_tokens_active, _plain_row
+
+    for kind in ROW_KINDS:
+        for output in ([], [1], [1, 2], [1, 2, 3]):
+            seq = make_seq(output=output, **kind)
+            seq.num_pending = pending
+            p = seq.params
+            assert _plain_row(seq) == reference_plain(seq), (kind, output)
+            assert seq.sample_argmax == (p.greedy or p.top_k == 1)
+            assert _min_tokens_active(seq) == (
+                seq.num_output_tokens + seq.num_pending < p.min_tokens), (kind, output)
+
+
+def test_process_logits_batch_equals_rows_alone():
+    """A batch mixing every kind of logit processing (bias, min_tokens active and reached,
+    penalties, plain rows) is processed row by row exactly as each row alone."""
+    seqs = [make_seq(prompt=[5, 9, 9], output=out, stop_token_ids=[11], **kind)
+            for kind in ROW_KINDS for out in ([], [9, 3, 3])]
+    logits = rand_logits(len(seqs), 40, seed=11)
+    got = Sampler({EOS}).process_logits(logits, seqs)
+    for i, seq in enumerate(seqs):
+        alone = Sampler({EOS}).process_logits(logits[i:i + 1], [seq])
+        assert torch.equal(got[i:i + 1], alone), i
+    assert not torch.equal(got, logits)  # something was processed
+
+
 def run_steps(seed_seq_position: int, batch_size: int, mates_seed: int, steps: int = 12) -> list[int]:
     """Generate `steps` tokens for a seeded request placed among random batch mates."""
     target = make_seq(temperature=1.0, top_p=0.95, seed=1234, presence_penalty=0.2)

@@ -45,8 +45,21 @@ class SamplerOutput:
 
 
 def _min_tokens_active(seq: Sequence) -> bool:
-    # tokens still on the device (overlapped scheduling) were generated too
-    return seq.num_output_tokens + seq.num_pending < seq.params.min_tokens
+    # output + pending < min_tokens (tokens still on the device, overlapped scheduling, were
+    # generated too); min_tokens_end is prompt + min_tokens, 0 without min_tokens
+    return len(seq.token_ids) + seq.num_pending < seq.min_tokens_end
+
+
+def _plain_row(s: Sequence) -> bool:
+    """Greedy, and nothing but the argmax this step: no logprobs, grammar, bias, penalty or
+    active min_tokens."""
+    if s.sample_plain and s.grammar is None:  # (decided from the params at its start)
+        return True
+    p = s.params
+    return not (p.temperature >= 1e-5 or p.logprobs is not None or p.repetition_penalty != 1.0
+                or s.grammar is not None or p.logit_bias
+                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                or _min_tokens_active(s))
 
 
 def _counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -132,15 +145,11 @@ class Sampler:
         # Common case: plain greedy everywhere -> one argmax, nothing else. The argmax runs on
         # the logits' own dtype: widening to float32 is exact and keeps the order (and the
         # first of tied maxima), so the result is the same without the [B, V] copy. The check
-        # is inlined: it runs for every sequence of every step.
+        # runs for every sequence of every step: one flag (Sequence.sample_plain) for most
+        # rows, the whole test (_plain_row) for the others.
         plain = True
         for s in seqs:
-            p = s.params
-            if (p.temperature >= 1e-5 or p.logprobs is not None or p.repetition_penalty != 1.0
-                    or s.grammar is not None or p.logit_bias
-                    or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                    or (p.min_tokens and len(s.token_ids) + s.num_pending - s.num_prompt_tokens
-                        < p.min_tokens)):
+            if not (s.sample_plain and s.grammar is None) and not _plain_row(s):
                 plain = False
                 break
         if plain:
@@ -151,7 +160,7 @@ class Sampler:
         raw = logits
         logits = self.process_logits(logits, seqs)
         tokens = torch.argmax(logits, dim=-1)  # [B]; right for greedy rows, others overwritten
-        sampled_rows = [i for i, s in enumerate(seqs) if not (s.params.greedy or s.params.top_k == 1)]
+        sampled_rows = [i for i, s in enumerate(seqs) if not s.sample_argmax]
         if sampled_rows:
             tokens[sampled_rows] = self._sample(logits[sampled_rows], [seqs[i] for i in sampled_rows])
         if not any(s.params.logprobs is not None for s in seqs):
@@ -165,8 +174,11 @@ class Sampler:
         new [B, V] tensor; input untouched."""
         logits = logits.clone()
         vocab, device = logits.shape[1], logits.device
+        # the rows with a bias, min_tokens or a penalty (Sequence.logit_processing): the
+        # passes below look at these alone
+        special = [i for i, s in enumerate(seqs) if s.logit_processing]
 
-        bias_rows = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+        bias_rows = [i for i in special if seqs[i].params.logit_bias]
         if bias_rows:
             rows: list[int] = []
             cols: list[int] = []
@@ -185,11 +197,14 @@ class Sampler:
 
                 self._masks = GrammarMasks()
             self._masks.apply(logits, g_rows, [seqs[i].grammar for i in g_rows])
+        if not special:
+            return logits
 
         # min_tokens: gather (row, token) pairs to ban, one index_put for the batch.
         ban_rows: list[int] = []
         ban_cols: list[int] = []
-        for i, s in enumerate(seqs):
+        for i in special:
+            s = seqs[i]
             if _min_tokens_active(s):
                 banned = set(s.params.stop_token_ids)
                 if not s.params.ignore_eos:
@@ -201,7 +216,7 @@ class Sampler:
             logits[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = (
                 float("-inf"))
 
-        rep_rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+        rep_rows = [i for i in special if seqs[i].params.repetition_penalty != 1.0]
         if rep_rows:
             # seen [R, V]: token occurs in prompt or output.
             seen = _counts([seqs[i].token_ids for i in rep_rows], vocab, device) > 0
@@ -211,8 +226,8 @@ class Sampler:
             penalised = torch.where(sub > 0, sub / pen, sub * pen)
             logits[rep_rows] = torch.where(seen, penalised, sub)
 
-        of_rows = [i for i, s in enumerate(seqs)
-                   if s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0]
+        of_rows = [i for i in special
+                   if seqs[i].params.presence_penalty != 0.0 or seqs[i].params.frequency_penalty != 0.0]
         if of_rows:
             counts = _counts([seqs[i].output_token_ids for i in of_rows], vocab, device)  # [R, V]
             freq = torch.tensor([seqs[i].params.frequency_penalty for i in of_rows],

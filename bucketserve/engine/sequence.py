@@ -165,6 +165,20 @@ class Sequence:
         self.first_token_time: float | None = None
         self.prefill_bucket: int | None = None  # length bucket of its first scheduled step
         self.logprobs: list[TokenLogprob] = []
+        # What the sampler does for this row, read from `params` once here (the params of a
+        # sequence never change) rather than from several fields of every row every step:
+        # argmax (greedy or top_k 1: no draw); argmax and nothing else (no logprobs, bias,
+        # penalties or min_tokens; a grammar is checked on its own, see `grammar`); the
+        # sequence length below which min_tokens is active (0: never); logit processing
+        # (bias, min_tokens or a penalty) needed.
+        p = params
+        self.sample_argmax = p.greedy or p.top_k == 1
+        penalised = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                     or p.frequency_penalty != 0.0)
+        self.min_tokens_end = self.num_prompt_tokens + p.min_tokens if p.min_tokens else 0
+        self.logit_processing = bool(p.logit_bias) or p.min_tokens > 0 or penalised
+        self.sample_plain = (p.greedy and p.logprobs is None and not self.logit_processing
+                             and p.guided is None)
         self.generator: torch.Generator | None = None
         # guided decoding: engine/structured.GrammarState, set by the engine that queues it
         self.grammar = None
