@@ -188,3 +188,81 @@ def test_overlapped_guided_steps_resolve_after_the_forward_is_queued(loaded):
     steps = "".join({"launch": "L", "forward": "F", "resolve": "R"}[e] for e in events)
     assert steps.count("LFR") >= len(want[0]) - 2, steps
     assert "LR" not in steps, steps
+
+
+class SmallVocab:
+    """The tokenizer interface GrammarCompiler reads: id 0 EOS, then every printable ASCII
+    character (a RAW vocabulary), so a document is accepted one character at a time."""
+
+    def __init__(self) -> None:
+        self.tokens = ["</s>", *(chr(c) for c in range(32, 127))]
+        self.vocab_size = len(self.tokens)
+        self.eos_token_ids = {0}
+        self.is_byte_level = False
+
+    def id_to_token(self, i: int) -> str:
+        return self.tokens[i]
+
+    def ids(self, text: str) -> list[int]:
+        return [self.tokens.index(c) for c in text]
+
+
+@pytest.fixture(scope="module")
+def small_compiler():
+    from bucketserve.engine.structured import GrammarCompiler
+
+    vocab = SmallVocab()
+    return vocab, GrammarCompiler(vocab, 128, threads=1)
+
+
+def small_state(small_compiler, spec: str = '["yes", "no", "maybe"]'):
+    _, compiler = small_compiler
+    st = compiler.state(GuidedDecoding("choice", spec))
+    st.future.result()
+    assert st.ready() and st.error is None
+    return st
+
+
+def test_terminated_is_the_matchers_after_every_accept(small_compiler):
+    """GrammarState.terminated (kept on the host) is what the matcher says after each accepted
+    or rejected token."""
+    vocab, _ = small_compiler
+    st = small_state(small_compiler)
+    assert st.terminated is False and st.matcher.is_terminated() is False
+    for tok in [*vocab.ids("may"), vocab.ids("x")[0], *vocab.ids("be"), 0]:
+        st.accept(tok)
+        assert st.terminated == st.matcher.is_terminated()
+    assert st.terminated  # the document, then EOS
+
+
+def test_grammar_masks_equal_one_row_at_a_time(small_compiler):
+    """GrammarMasks.apply over several steps (the same rows again, a new set of rows, a row whose
+    grammar has ended, one live row) masks each row as that row's own bitmask does."""
+    import torch
+    import xgrammar as xgr
+
+    from bucketserve.engine.structured import GrammarMasks
+
+    vocab, _ = small_compiler
+    states = [small_state(small_compiler) for _ in range(6)]
+    for st, text in zip(states, ["", "y", "ma", "mayb", "n", "ye"], strict=True):
+        for tok in vocab.ids(text):
+            assert st.accept(tok)
+    masks = GrammarMasks()
+    steps = [[0, 2, 3, 5], [0, 2, 3, 5], [1, 2, 4], [1, 2, 4], [4], [0, 1, 2, 3, 4, 5]]
+    for step, rows in enumerate(steps):
+        if step == 3:  # row 4's grammar ends: "no", then EOS
+            for tok in [*vocab.ids("o"), 0]:
+                assert states[4].accept(tok)
+            assert states[4].terminated
+        logits = torch.randn(6, 128, generator=torch.Generator().manual_seed(step))
+        got = logits.clone()
+        masks.apply(got, rows, [states[r] for r in rows])
+        want = logits.clone()
+        for r in rows:
+            if states[r].terminated:
+                continue
+            bitmask = xgr.allocate_token_bitmask(1, 128)
+            states[r].matcher.fill_next_token_bitmask(bitmask, 0)
+            xgr.apply_token_bitmask_inplace(want[r:r + 1], bitmask)
+        assert torch.equal(got, want), step

@@ -7,8 +7,9 @@ grammar:
   compilation never runs in an engine step. The scheduler keeps a request waiting until its
   grammar is compiled (`GrammarState.ready`) and admits the others meanwhile.
 - `GrammarState` (one per sequence) holds the xgrammar GrammarMatcher; it accepts every token
-  the sequence samples (`accept`) and says when the grammar has ended (`terminated`). Output
-  tokens survive a preemption, and so does the matcher: recompute needs nothing from it.
+  the sequence samples (`accept`) and says when the grammar has ended (`terminated`: asked of
+  the matcher once per accepted token and kept, since only `accept` changes the matcher).
+  Output tokens survive a preemption, and so does the matcher: recompute needs nothing from it.
 - `check_guided` builds the xgrammar Grammar without the tokenizer (fast): the server calls it
   in the request path so that a schema xgrammar rejects is a 400 before any token.
 
@@ -130,6 +131,9 @@ class GrammarState:
         self.future = future
         self.matcher: xgr.GrammarMatcher | None = None
         self.error: str | None = None
+        # the matcher's is_terminated(), as of its last accepted token (a new matcher has
+        # accepted nothing: not terminated); read by every step's mask and resolve
+        self.terminated = False
 
     def ready(self) -> bool:
         """True once compiled (or failed: `error` says why). Never blocks."""
@@ -144,12 +148,12 @@ class GrammarState:
         return True
 
     def accept(self, token: int) -> bool:
-        """Advances the matcher by a sampled token; False when the grammar rejects it."""
-        return self.matcher.accept_token(token)
-
-    @property
-    def terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        """Advances the matcher by a sampled token; False when the grammar rejects it (the
+        matcher is then unchanged). Updates `terminated`."""
+        matcher = self.matcher
+        ok = matcher.accept_token(token)
+        self.terminated = matcher.is_terminated()
+        return ok
 
 
 class GrammarMasks:
@@ -168,6 +172,10 @@ class GrammarMasks:
         self._device: tuple[torch.Tensor, torch.Tensor] | None = None
         self._turn = 0
         self._batch: xgr.BatchGrammarMatcher | None = None
+        # the rows whose indices the applied index tensor holds (the device one on CUDA, the
+        # one host buffer on the CPU): decode steps mostly mask the same rows as the step
+        # before, and then the index is neither rebuilt nor copied again
+        self._index_rows: list[int] | None = None
 
     def _buffers(self, rows: int, vocab: int, device: torch.device):
         words = (vocab + 31) // 32
@@ -180,31 +188,36 @@ class GrammarMasks:
             self._device = None if not pin else (
                 torch.empty(rows, words, dtype=torch.int32, device=device),
                 torch.empty(rows, dtype=torch.int32, device=device))
+            self._index_rows = None
         self._turn = (self._turn + 1) % len(self._host)
         return self._host[self._turn]
 
     def apply(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
         """logits [B, V] in place: each row in `rows` keeps only the tokens its matcher allows
         (a row whose grammar has ended is left alone: its token is dropped)."""
-        live = [(r, st) for r, st in zip(rows, states, strict=True)
-                if not st.matcher.is_terminated()]
-        if not live:
+        matchers = [st.matcher for st in states if not st.terminated]
+        if not matchers:
             return
+        if len(matchers) != len(rows):
+            rows = [r for r, st in zip(rows, states, strict=True) if not st.terminated]
         b, vocab = logits.shape
         bitmask, index = self._buffers(b, vocab, logits.device)
-        n = len(live)
+        n = len(rows)
         if n > 1:  # xgrammar fills the rows on its own threads, in one call
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher(min(8, max(1, (os.cpu_count() or 2) // 2)))
-            self._batch.batch_fill_next_token_bitmask([st.matcher for _, st in live], bitmask,
-                                                      [r for r, _ in live])
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         else:
-            live[0][1].matcher.fill_next_token_bitmask(bitmask, live[0][0])
-        index[:n] = torch.tensor([r for r, _ in live], dtype=torch.int32)
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+        new_index = rows != self._index_rows
+        if new_index:
+            index.numpy()[:n] = rows
+            self._index_rows = list(rows)
         if self._device is not None:
             dev_mask, dev_index = self._device
             dev_mask[:b].copy_(bitmask[:b], non_blocking=True)
-            dev_index[:n].copy_(index[:n], non_blocking=True)
+            if new_index:
+                dev_index[:n].copy_(index[:n], non_blocking=True)
             bitmask, index = dev_mask[:b], dev_index[:n]
         else:
             bitmask, index = bitmask[:b], index[:n]
