@@ -120,6 +120,47 @@ def test_pending_tokens_become_placeholders():
         inp.fill(batch, {a: 5})
 
 
+def test_overlapped_decode_step_every_token_pending():
+    """The usual overlapped decode step: every row's newest token is on the device, in another
+    order than the previous step's, after a step of other sizes (stale buffers). Then a row
+    caught up (on the host) and a row the previous step did not sample."""
+    rng = random.Random(5)
+    inp = StepInputs(max_tokens=2048, max_seqs=64, max_blocks=64, block_size=BS,
+                     device=torch.device("cpu"))
+    inp.fill(make_batch(rng, 3, [(200, 0)]))
+    batch = make_batch(rng, 12, [])
+    ids, pos, slots, seq_lens, qsl, rows, seqs = reference(batch)
+    for seq in batch.seqs:
+        seq.token_ids.pop()
+        seq.num_pending = 1
+    order = list(range(12))
+    rng.shuffle(order)
+    prev = {batch.seqs[i]: j for j, i in enumerate(order)}
+    plan = inp.fill(batch, prev)
+    src = [prev[s] for s in batch.seqs]
+    assert plan.placeholder_rows == list(range(12)) and plan.placeholder_src == src
+    assert inp.h_ph_rows[:12].tolist() == list(range(12)) and inp.h_ph_src[:12].tolist() == src
+    assert inp.ids[:12].tolist() == [0] * 12
+    assert inp.pos[:12].tolist() == pos and inp.slots[:12].tolist() == slots
+    assert inp.seq_lens[:12].tolist() == seq_lens == plan.seq_lens
+    assert inp.qsl[:13].tolist() == qsl and plan.query_lens == [1] * 12
+    assert (plan.sample_rows, plan.sample_seqs) == (rows, seqs) == (list(range(12)),) * 2
+    assert inp.h_sample_rows[:12].tolist() == rows
+    # row 4's token reached the host: a real id, not a placeholder
+    b4 = batch.seqs[4]
+    b4.token_ids.append(ids[4])
+    b4.num_pending = 0
+    plan = inp.fill(batch, prev)
+    assert plan.placeholder_rows == [r for r in range(12) if r != 4]
+    assert plan.placeholder_src == [src[r] for r in range(12) if r != 4]
+    assert inp.ids[:12].tolist() == [ids[4] if r == 4 else 0 for r in range(12)]
+    assert plan.sample_seqs == list(range(12))
+    # a pending row the previous step did not sample: the first such row is named
+    del prev[batch.seqs[7]], prev[batch.seqs[9]]
+    with pytest.raises(ValueError, match=f"{batch.seqs[7].request_id}: its newest token"):
+        inp.fill(batch, prev)
+
+
 def test_block_table_rows_follow_growth_and_replacement():
     rng = random.Random(2)
     inp = StepInputs(max_tokens=64, max_seqs=8, max_blocks=64, block_size=BS,

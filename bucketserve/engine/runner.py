@@ -115,6 +115,7 @@ class StepInputs:
         self.seq_lens, self.qsl = self.h_seq_lens.numpy(), self.h_qsl.numpy()
         self.tables = self.h_tables.numpy()
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self._arange = np.arange(max_seqs + 1)  # row numbers, and a decode step's query starts
         # per table row: (the block_table list written there, its length then)
         self._row_tables: list[tuple[list[int] | None, int]] = [_NO_TABLE] * max_seqs
         # recorded after each step's host-to-device copies: the host buffers are rewritten
@@ -155,32 +156,45 @@ class StepInputs:
         ph_rows: list[int] = []
         ph_src: list[int] = []
         starts = [s.num_computed_tokens for s in seqs]
+        pure_decode = 0 < nd == n  # (a decode row is one new token: ScheduledBatch)
         # decodes (rows 0..nd-1): one token each at position start; a row samples when it
         # then covers every token of its sequence (pending ones included)
         caught_up = True
         if nd:
-            prev_index = (pending_index if pending_index is not None else {}).get
             ids = [0] * nd
-            for r in range(nd):
-                seq = seqs[r]
-                toks, p = seq.token_ids, starts[r]
-                if p < len(toks):
+            for r, seq, p in zip(range(nd), seqs, starts, strict=False):  # the first nd rows
+                toks = seq.token_ids
+                k = len(toks)
+                if p < k:
                     ids[r] = toks[p]
                 else:  # sampled by the previous step, not on the host yet
-                    src = prev_index(seq)
-                    if src is None:
-                        raise ValueError(f"{seq.request_id}: its newest token is neither on "
-                                         "the host nor sampled by the previous step")
                     ph_rows.append(r)
-                    ph_src.append(src)
-                if caught_up and p + 1 != len(toks) + seq.num_pending:
+                if p + 1 != k + seq.num_pending:
                     caught_up = False
-            dpos = np.array(starts[:nd], dtype=np.int64)
-            self.ids[:nd] = ids
+            all_pending = len(ph_rows) == nd  # (overlapped decoding, the usual step)
+            if ph_rows:
+                prev = pending_index if pending_index is not None else {}
+                ph_src = list(map(prev.get, seqs[:nd] if all_pending
+                                  else [seqs[r] for r in ph_rows]))
+                if None in ph_src:
+                    seq = seqs[ph_rows[ph_src.index(None)]]
+                    raise ValueError(f"{seq.request_id}: its newest token is neither on "
+                                     "the host nor sampled by the previous step")
+            dpos = np.array(starts if pure_decode else starts[:nd], dtype=np.int64)
+            if all_pending:
+                self.ids[:nd] = 0
+            else:
+                self.ids[:nd] = ids
             self.pos[:nd] = dpos
-            rows = np.arange(nd)
+            rows = self._arange[:nd]
             np.add(t[rows, dpos // bs] * bs, dpos % bs, out=self.slots[:nd])
-        seq_lens = [p + c for p, c in zip(starts, counts, strict=True)]
+        if pure_decode:  # one token a row: lengths start + 1, query starts 0..n
+            lens = dpos + 1
+            self.seq_lens[:n] = lens
+            seq_lens = lens.tolist()
+            self.qsl[:n + 1] = self._arange[:n + 1]
+        else:
+            seq_lens = [p + c for p, c in zip(starts, counts, strict=True)]
         # prefills: ranges of tokens (always known on the host: only a sequence that has
         # sampled has a pending token, and it is then a decode)
         cursor = nd
@@ -195,11 +209,13 @@ class StepInputs:
             self.pos[cursor:cursor + c] = pos
             self.slots[cursor:cursor + c] = t[i, pos // bs] * bs + pos % bs
             cursor += c
-        self.seq_lens[:n] = seq_lens
-        self.qsl[0] = 0
-        np.cumsum(counts, out=self.qsl[1:n + 1])
+        if not pure_decode:
+            self.seq_lens[:n] = seq_lens
+            self.qsl[0] = 0
+            np.cumsum(counts, out=self.qsl[1:n + 1])
         # rows to sample: sequences whose every token (pending ones included) is computed
-        if nd == n and caught_up:  # pure decode, all caught up
+        every_row = pure_decode and caught_up
+        if every_row:
             sample_rows, sample_seqs = list(range(n)), list(range(n))
         else:
             sample_rows, sample_seqs = [], []
@@ -210,9 +226,10 @@ class StepInputs:
                     sample_rows.append(int(qsl[i + 1]) - 1)
                     sample_seqs.append(i)
         k = len(sample_rows)
-        self.h_sample_rows.numpy()[:k] = sample_rows
+        self.h_sample_rows.numpy()[:k] = self._arange[:k] if every_row else sample_rows
         if ph_rows:
-            self.h_ph_rows.numpy()[:len(ph_rows)] = ph_rows
+            self.h_ph_rows.numpy()[:len(ph_rows)] = (self._arange[:nd] if len(ph_rows) == nd
+                                                     else ph_rows)
             self.h_ph_src.numpy()[:len(ph_src)] = ph_src
         return StepPlan(n, nd, ntok, seq_lens, list(counts), sample_rows, sample_seqs,
                         ph_rows, ph_src)
