@@ -248,6 +248,8 @@ def test_row_flags_decide_as_the_params(pending):
             p = seq.params
             assert _plain_row(seq) == reference_plain(seq), (kind, output)
             assert seq.sample_argmax == (p.greedy or p.top_k == 1)
+            assert seq.penalised == (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                                     or p.frequency_penalty != 0.0)
             assert _min_tokens_active(seq) == (
                 seq.num_output_tokens + seq.num_pending < p.min_tokens), (kind, output)
 

@@ -266,3 +266,25 @@ def test_grammar_masks_equal_one_row_at_a_time(small_compiler):
             states[r].matcher.fill_next_token_bitmask(bitmask, 0)
             xgr.apply_token_bitmask_inplace(want[r:r + 1], bitmask)
         assert torch.equal(got, want), step
+
+
+def test_needs_host_tokens_for_a_pending_grammar_or_penalty():
+    """The previous step must be resolved first when a row with a pending token has a grammar or
+    a repetition / presence / frequency penalty; not for plain rows, nor without a pending token."""
+    from types import SimpleNamespace
+
+    from bucketserve.engine.sequence import Sequence
+
+    def row(pending: int, grammar: bool = False, **params) -> Sequence:
+        seq = Sequence([1, 2, 3], SamplingParams(**params))
+        seq.num_pending = pending
+        seq.grammar = object() if grammar else None
+        return seq
+
+    needs = LLMEngine._needs_host_tokens
+    plain = [row(1), row(1, temperature=0, logit_bias={3: 1.0}, min_tokens=2, logprobs=1)]
+    assert not needs(SimpleNamespace(seqs=plain))
+    for special in ({"grammar": True}, {"repetition_penalty": 1.1}, {"presence_penalty": 0.3},
+                    {"frequency_penalty": -0.2}):
+        assert needs(SimpleNamespace(seqs=[*plain, row(1, **special)])), special
+        assert not needs(SimpleNamespace(seqs=[*plain, row(0, **special)])), special

@@ -359,12 +359,9 @@ class LLMEngine:
         (repetition, presence or frequency penalties; a grammar, whose matcher must accept
         the pending token before it gives the next mask): the previous step must be resolved
         before this one samples."""
-        for seq in batch.seqs:
-            if seq.num_pending:
-                p = seq.params
-                if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                        or p.frequency_penalty != 0.0 or seq.grammar is not None):
-                    return True
+        for seq in batch.seqs:  # (Sequence.penalised: read from the params once)
+            if seq.num_pending and (seq.penalised or seq.grammar is not None):
+                return True
         return False
 
     def _nvtx(self, batch):

@@ -170,13 +170,14 @@ class Sequence:
         # argmax (greedy or top_k 1: no draw); argmax and nothing else (no logprobs, bias,
         # penalties or min_tokens; a grammar is checked on its own, see `grammar`); the
         # sequence length below which min_tokens is active (0: never); logit processing
-        # (bias, min_tokens or a penalty) needed.
+        # (bias, min_tokens or a penalty) needed; a penalty, which reads the token history
+        # (LLMEngine._needs_host_tokens).
         p = params
         self.sample_argmax = p.greedy or p.top_k == 1
-        penalised = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                     or p.frequency_penalty != 0.0)
+        self.penalised = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                          or p.frequency_penalty != 0.0)
         self.min_tokens_end = self.num_prompt_tokens + p.min_tokens if p.min_tokens else 0
-        self.logit_processing = bool(p.logit_bias) or p.min_tokens > 0 or penalised
+        self.logit_processing = bool(p.logit_bias) or p.min_tokens > 0 or self.penalised
         self.sample_plain = (p.greedy and p.logprobs is None and not self.logit_processing
                              and p.guided is None)
         self.generator: torch.Generator | None = None
