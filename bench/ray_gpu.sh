@@ -10,6 +10,8 @@
 #   ray1    Ray Serve, 1 replica on the GPU                       (must-show 4: >= 0.9x plain1)
 #   ray1s   ray1 with --stream-batch-ms SLOW_MS (default 20): fewer, fuller Ray stream items
 #   ray2    Ray Serve, 2 replicas sharing the one GPU (0.5 each, KV pools 0.45 of it each)
+#   rayh1   ray1 with --ray-ingress haproxy: Ray Serve's HAProxy direct ingress, no Python hop
+#   rayh2   ray2 with --ray-ingress haproxy
 #   raygpus Ray Serve, one replica per GPU of the machine, at C x GPUs streams (must-show 5:
 #           >= 0.9 x GPUs x ray1); skipped on a one-GPU machine
 #
@@ -60,6 +62,9 @@ for SHAPE in $SHAPES; do
       ray1s) ARGS=(--replicas 1 --stream-batch-ms "$SLOW_MS"); REPL=1 ;;
       ray2) ARGS=(--replicas 2 --gpus-per-replica 0.5); REPL=2
             printf 'gpu_memory_fraction = 0.45\n' >> "$B" ;;
+      rayh1) ARGS=(--replicas 1 --ray-ingress haproxy); REPL=1 ;;
+      rayh2) ARGS=(--replicas 2 --gpus-per-replica 0.5 --ray-ingress haproxy); REPL=2
+            printf 'gpu_memory_fraction = 0.45\n' >> "$B" ;;
       raygpus) [ "$NGPU" -gt 1 ] || { echo "raygpus: one GPU only, skipped"; continue; }
             ARGS=(--replicas "$NGPU" --gpus-per-replica 1); REPL=$NGPU; CONC=$((C * NGPU)) ;;
     esac
@@ -104,6 +109,9 @@ for shape in shapes:
     line("ray 1 replica / plain, 1 front end", "ray1", "plain1")
     line("ray 1 replica, slow stream batches / plain, 1 front end", "ray1s", "plain1")
     line("ray 1 replica / plain, auto front ends", "ray1", "plain")
+    line("ray 1 replica, haproxy ingress / plain, 1 front end", "rayh1", "plain1")
+    line("ray 2 replicas on one GPU, haproxy ingress / plain", "rayh2", "plain")
     line("ray 2 replicas on one GPU / plain", "ray2", "plain")
+    line("ray 2 replicas on one GPU, haproxy ingress / plain, 1 front end", "rayh2", "plain1")
     line(f"ray {ngpu} GPUs / ({ngpu} x ray 1 replica)", "raygpus", "ray1", ngpu)
 PY

@@ -110,7 +110,7 @@ def one(cfg: dict) -> dict:
     class StubReplica(EngineReplica):
         def __init__(self, events: int, step_s: float, batch_wait_s: float) -> None:
             module = sys.modules[EngineReplica.__module__].__file__
-            self.app = stub_app(events, step_s, module)
+            self.app = self.api = stub_app(events, step_s, module)  # old revisions: .app
             self.batch_wait_s = batch_wait_s  # (the old revision never reads it)
 
         def check_health(self) -> None:

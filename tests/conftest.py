@@ -87,3 +87,15 @@ def ray_server(tmp_path_factory):
     srv = start_ray_server(tmp_path_factory.mktemp("ray"))
     yield srv
     srv.stop(180)
+
+
+@pytest.fixture(scope="session")
+def ray_haproxy_server(tmp_path_factory):
+    """The same endpoint with `--ray-ingress haproxy`: Ray Serve's HAProxy sends requests
+    straight to the replicas (no proxy, no ingress deployment). Skipped without ray."""
+    pytest.importorskip("ray.serve")
+    from bucketserve.bench.launch import start_ray_server
+
+    srv = start_ray_server(tmp_path_factory.mktemp("ray-haproxy"), ingress="haproxy")
+    yield srv
+    srv.stop(180)

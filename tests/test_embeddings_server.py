@@ -24,12 +24,12 @@ TEXTS = ["The quick brown fox.", "Schnelle braune Füchse springen.", "🚀🎉 
          "東京は日本の首都です。", "one", "a rather longer sentence about embeddings and batching"]
 
 
-@pytest.fixture(scope="module", params=["single", "ray"])
+@pytest.fixture(scope="module", params=["single", "ray", "ray-haproxy"])
 def server(request, tmp_path_factory) -> LiveServer:
     """The single server, and the Ray Serve endpoint (2 replicas, the same [embedding] keys;
-    tests/conftest.py ray_server)."""
-    if request.param == "ray":
-        yield request.getfixturevalue("ray_server")
+    tests/conftest.py ray_server and ray_haproxy_server)."""
+    if request.param in ("ray", "ray-haproxy"):
+        yield request.getfixturevalue(request.param.replace("-", "_") + "_server")
         return
     srv = start_server(tmp_path_factory.mktemp("emb-live"), "emb", BUCKETS, "--api-key",
                        API_KEY, "--embedding-model", "all-minilm-l6-v2")

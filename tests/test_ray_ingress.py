@@ -223,6 +223,31 @@ def test_serve_run_strings_are_typed_as_the_cli_does() -> None:
     assert engine.ray_actor_options["num_cpus"] == 0.5
 
 
+def test_haproxy_ingress_makes_the_engine_replica_the_ingress(capsys) -> None:
+    """--ray-ingress haproxy: one deployment, the engine replica itself serving HTTP (no
+    Ingress), with room above the engine's limits so that its own 503 body comes first; a
+    custom request router (which HAProxy would bypass) is refused before anything starts."""
+    from bucketserve.deploy import build_app
+    from bucketserve.server.cli import main
+    from bucketserve.server.ray_deploy import DIRECT_MARGIN, replica_limits
+
+    built = build_app({"replicas": "2", "ray_ingress": "haproxy", "embedding_model": "none"})
+    engine = built._bound_deployment
+    assert engine.name == "DirectReplica"
+    assert engine.func_or_class.__serve_build_asgi_app__  # Serve's ingress wrapper
+    running, waiting = replica_limits(serve_args({}))
+    assert engine._deployment_config.max_ongoing_requests == running + waiting + DIRECT_MARGIN
+    assert engine._deployment_config.num_replicas == 2
+    plain = build_app({"replicas": "2", "embedding_model": "none"})._bound_deployment
+    assert plain.name == "Ingress"
+
+    with pytest.raises(ValueError, match="--request-router needs --ray-ingress proxy"):
+        build_app({"ray_ingress": "haproxy", "request_router": "m:C"})
+    assert main(["serve", "--replicas", "1", "--ray-ingress", "haproxy",
+                 "--request-router", "m:C"]) == 2
+    assert "--request-router needs --ray-ingress proxy" in capsys.readouterr().err
+
+
 def test_autoscaling_bounds_alone_select_ray_and_are_checked(capsys) -> None:
     """--min/--max-replicas without --replicas still mean Ray (never a silent single server);
     bounds the wrong way round are refused before anything starts."""
@@ -236,7 +261,7 @@ def replica_items(app, batch_wait_s: float = 0.0) -> list[list[dict]]:
     """The items EngineReplica.asgi yields for one request to `app` (no Ray: the method on
     a bare instance)."""
     replica = object.__new__(EngineReplica)
-    replica.app, replica.batch_wait_s = app, batch_wait_s
+    replica.api, replica.batch_wait_s = app, batch_wait_s
     request = Forwarded({"type": "http", "method": "POST", "path": "/"}, b"{}")
 
     async def run():

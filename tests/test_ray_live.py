@@ -1,8 +1,9 @@
 """Faults on the Ray Serve endpoint (`bucketserve serve --replicas 2`, tests/conftest.py
-ray_server): a replica's actor process killed during 32 streaming requests, and a replica's
-engine-core child process killed. Every request ends (complete, an SSE error event, or a
-5xx error body), no engine-core process is left behind, Ray brings a new replica up, and
-the next 32 requests all succeed. Skipped without ray.
+ray_server and ray_haproxy_server): a replica's actor process killed during 32 streaming
+requests, and a replica's engine-core child process killed. Every request ends (complete, an
+SSE error event, or a 5xx error body; behind HAProxy, a stream whose replica process died is
+cut, as docs/ray.md says), no engine-core process is left behind, Ray brings a new replica
+up, and the next 32 requests all succeed. Skipped without ray.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from bucketserve.bench.launch import RAY_API_KEY, LiveServer, alive, children, c
 
 AUTH = {"Authorization": f"Bearer {RAY_API_KEY}"}
 STREAMS = 32
-REPLICA_TITLE = "ray::ServeReplica:bucketserve:EngineReplica"
+REPLICA_TITLES = ("ray::ServeReplica:bucketserve:EngineReplica",
+                  "ray::ServeReplica:bucketserve:DirectReplica")
 RECOVERY_LIMIT_S = 300.0  # a replica's restart on a busy 2-core machine; a bound
 
 
@@ -36,7 +38,7 @@ def replicas_under(root: int) -> dict[int, int | None]:
     """Engine replica actor pid -> engine-core child pid, among `root`'s descendants."""
     out = {}
     for pid in descendants(root):
-        if cmdline(pid).startswith(REPLICA_TITLE):
+        if cmdline(pid).startswith(REPLICA_TITLES):
             cores = [c for c in children(pid) if "multiprocessing.spawn" in cmdline(c)]
             out[pid] = cores[0] if cores else None
     return out
@@ -66,11 +68,13 @@ def wait_for_new_replica(server: LiveServer, before: set[str]) -> set[str]:
         time.sleep(1.0)
 
 
-def stream_one(i: int, base_url: str, max_tokens: int,
-               flowing: threading.Event) -> tuple[str, str]:
+def stream_one(i: int, base_url: str, max_tokens: int, flowing: threading.Event,
+               cut_ok: bool = False) -> tuple[str, str]:
     """One streaming completion -> (outcome, detail): "done" (the whole stream, [DONE]),
-    "error_event" (an SSE error event, then [DONE]) or "error_body" (a 5xx OpenAI error body).
-    Anything else (a hang, a cut stream, a bad body) raises."""
+    "error_event" (an SSE error event, then [DONE]) or "error_body" (a 5xx OpenAI error body);
+    with `cut_ok`, "cut" (the connection closed mid-stream: HAProxy's answer to a replica
+    process that died). Anything else (a hang, a cut stream without `cut_ok`, a bad body)
+    raises."""
     body = {"prompt": f"Request {i}: tell a story.", "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", base_url + "/v1/completions", json=body, headers=AUTH,
@@ -81,10 +85,16 @@ def stream_one(i: int, base_url: str, max_tokens: int,
             assert resp.json()["error"]["message"]
             return "error_body", resp.text
         events = []
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                flowing.set()
+        try:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    flowing.set()
+        except httpx.RemoteProtocolError as exc:
+            if not cut_ok:
+                raise
+            assert events, f"stream {i} was cut before its first event"
+            return "cut", str(exc)
     assert events and events[-1] == "[DONE]", f"stream {i} did not end with [DONE]: {events[-3:]}"
     errors = [json.loads(e)["error"] for e in events[:-1] if '"error"' in e[:12]]
     if errors:
@@ -95,12 +105,12 @@ def stream_one(i: int, base_url: str, max_tokens: int,
     return "done", ""
 
 
-def run_streams(server: LiveServer, max_tokens: int = 24,
-                during=None) -> list[tuple[str, str]]:
+def run_streams(server: LiveServer, max_tokens: int = 24, during=None,
+                cut_ok: bool = False) -> list[tuple[str, str]]:
     """STREAMS concurrent streaming requests; `during()` runs once tokens flow."""
     flowing = threading.Event()
     with ThreadPoolExecutor(STREAMS) as pool:
-        futures = [pool.submit(stream_one, i, server.base_url, max_tokens, flowing)
+        futures = [pool.submit(stream_one, i, server.base_url, max_tokens, flowing, cut_ok)
                    for i in range(STREAMS)]
         if during is not None:
             assert flowing.wait(120.0), "no stream started"
@@ -115,8 +125,14 @@ def wait_gone(pids: list[int], limit_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("ingress", ["proxy", "haproxy"])
 @pytest.mark.parametrize("victim", ["replica_actor", "engine_core"])
-def test_a_killed_replica_is_replaced_and_no_request_hangs(ray_server, victim) -> None:
+def test_a_killed_replica_is_replaced_and_no_request_hangs(request, ingress, victim) -> None:
+    ray_server = request.getfixturevalue("ray_server" if ingress == "proxy"
+                                         else "ray_haproxy_server")
+    # behind HAProxy nothing outlives a dead replica process to send an error event: its
+    # streams are cut (an engine core's death is still an error event from the replica's app)
+    cut = ingress == "haproxy" and victim == "replica_actor"
     replicas = engine_replicas(ray_server)
     assert len(replicas) == 2 and all(replicas.values()), replicas
     labels_before = replica_labels(ray_server)
@@ -131,11 +147,12 @@ def test_a_killed_replica_is_replaced_and_no_request_hangs(ray_server, victim) -
         os.kill(actor if victim == "replica_actor" else core, signal.SIGKILL)
 
     # long enough that every replica is mid-generation at the kill
-    outcomes = run_streams(ray_server, max_tokens=200, during=kill)
+    outcomes = run_streams(ray_server, max_tokens=200, during=kill, cut_ok=cut)
     kinds = [kind for kind, _ in outcomes]
     # every request ended (stream_one checks how); the streams running on the killed
-    # replica ended with an error event, those it had not started went to the other one
-    assert kinds.count("error_event") >= 1, kinds
+    # replica ended with an error event (or were cut), those it had not started went to the
+    # other one
+    assert kinds.count("cut" if cut else "error_event") >= 1, kinds
     assert kinds.count("done") >= 1, kinds
     # no orphaned engine core: the killed replica's core is gone with it (or was the victim)
     wait_gone([core])

@@ -26,12 +26,16 @@ BUCKETS = "[kv_cache]\ncpu_memory_gib = 0.1\n"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-@pytest.fixture(scope="session", params=["single", "ray"])
+@pytest.fixture(scope="session", params=["single", "ray", "ray-haproxy"])
 def server(request, tmp_path_factory) -> LiveServer:
     """The single server, and the same tests against the Ray Serve endpoint (2 replicas;
-    tests/conftest.py ray_server, started with the same key and body limit)."""
+    tests/conftest.py ray_server, started with the same key and body limit), behind Ray's
+    proxy and behind HAProxy (--ray-ingress haproxy)."""
     if request.param == "ray":
         yield request.getfixturevalue("ray_server")
+        return
+    if request.param == "ray-haproxy":
+        yield request.getfixturevalue("ray_haproxy_server")
         return
     srv = start_server(tmp_path_factory.mktemp("live"), "live", BUCKETS, "--api-key", API_KEY,
                        "--max-body-bytes", str(MAX_BODY))

@@ -155,10 +155,12 @@ RAY_MAX_BODY = 100_000
 RAY_METRICS_LAG_S = 1.2  # twice ray_deploy.PUSH_S, and some
 
 
-def start_ray_server(workdir: Path) -> LiveServer:
-    """`bucketserve serve --replicas 2` on a local Ray instance, one CPU core per replica."""
+def start_ray_server(workdir: Path, ingress: str = "proxy") -> LiveServer:
+    """`bucketserve serve --replicas 2 --ray-ingress INGRESS` on a local Ray instance, one CPU
+    core per replica."""
     srv = start_server(workdir, "ray", RAY_BUCKETS, "--replicas", "2", "--cpus-per-replica",
-                       "1", "--api-key", RAY_API_KEY, "--max-body-bytes", str(RAY_MAX_BODY),
+                       "1", "--ray-ingress", ingress,
+                       "--api-key", RAY_API_KEY, "--max-body-bytes", str(RAY_MAX_BODY),
                        "--embedding-model", "all-minilm-l6-v2",
                        env={"RAY_USAGE_STATS_ENABLED": "0"})
     srv.metrics_lag_s = RAY_METRICS_LAG_S

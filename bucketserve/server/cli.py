@@ -110,7 +110,7 @@ def serve(args: argparse.Namespace, seams: Seams | None = None) -> int:
 def serve_on_ray(args: argparse.Namespace) -> int:
     """--replicas / --ray-address / --min-replicas / --max-replicas: Ray Serve (ray_deploy.py)."""
     try:
-        from bucketserve.server.ray_deploy import serve_ray
+        from bucketserve.server.ray_deploy import ROUTER_NEEDS_PROXY, serve_ray
     except ImportError as exc:
         print(f"bucketserve: error: --replicas needs Ray Serve (pip install "
               f"'bucketserve[ray]'): {exc}", file=sys.stderr)
@@ -121,6 +121,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
             and args.min_replicas > args.max_replicas):
         print(f"bucketserve: error: --min-replicas {args.min_replicas} is over --max-replicas "
               f"{args.max_replicas}", file=sys.stderr)
+        return 2
+    if args.ray_ingress == "haproxy" and args.request_router:
+        print(f"bucketserve: error: {ROUTER_NEEDS_PROXY}", file=sys.stderr)
         return 2
     return serve_ray(args)
 

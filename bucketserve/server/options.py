@@ -118,6 +118,13 @@ def add_ray_options(s: argparse.ArgumentParser) -> None:
                         "in batches, each what the engine produced within MS of the batch's "
                         "first event (the first token goes at once; 0: no waiting, only what "
                         "is already queued)")
+    g.add_argument("--ray-ingress", choices=("proxy", "haproxy"), default="proxy",
+                   help="with --replicas: how HTTP reaches the replicas. proxy: Ray Serve's "
+                        "Python proxy and an ingress deployment relay every request and stream "
+                        "(a replica that dies mid-stream gives its clients an SSE error event); "
+                        "haproxy: Ray Serve's HAProxy direct ingress, each replica serves HTTP "
+                        "itself behind HAProxy (no Python hop; a replica that dies mid-stream "
+                        "cuts its streams). docs/ray.md")
     g.add_argument("--proxy-location", choices=("HeadOnly", "EveryNode"), default=None,
                    help="with --replicas: where Ray Serve runs HTTP proxies; default HeadOnly "
                         "for a local Ray instance, EveryNode with --ray-address")

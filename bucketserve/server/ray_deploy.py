@@ -18,6 +18,13 @@ Three deployments make one Serve application:
 - `MetricsHub` (one replica, no CPU): the replicas push their rendered /metrics to it
   twice a second; the ingress reads them from it.
 
+With `--ray-ingress haproxy` there is no `Ingress`: `DirectReplica` (an `EngineReplica` that
+is the application's ingress) serves HTTP itself through Ray Serve's direct ingress, and
+Ray's HAProxy (leastconn over the replicas, retry on connect failures) sends it requests;
+the replica checks the API key and body size and merges /metrics from the hub. No Python
+process relays a stream, but a replica that dies mid-stream cuts its clients' connections
+(HAProxy cannot add an SSE error event); a request not yet sent to it goes to another.
+
 `build_app(args)` makes the application from `bucketserve serve` option names (dest form:
 "replicas", "min_replicas", "api_key", ...); `serve_ray(args)` is `bucketserve serve
 --replicas N`. Importing this module needs ray; nothing else in bucketserve imports it.
@@ -61,6 +68,8 @@ REPLICA_FAILED = "the replica serving this request failed; retry"
 RETRIES = 3
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
 APP_NAME = "bucketserve"
+ROUTER_NEEDS_PROXY = "--request-router needs --ray-ingress proxy: with haproxy, HAProxy routes"
+DIRECT_MARGIN = 64  # --ray-ingress haproxy: requests a replica takes beyond its engine's limits
 
 
 def serve_args(overrides: dict[str, Any]) -> argparse.Namespace:
@@ -122,18 +131,20 @@ class EngineReplica:
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         ns = serve_args(args)
+        self.ns = ns
         self.batch_wait_s = ns.stream_batch_ms / 1e3
         logging.getLogger("bucketserve").setLevel(ns.log_level.upper())
         # Loading blocks for a while: off the replica's event loop, which answers Ray.
         engine, buckets = await asyncio.to_thread(load_engine, ns)
         add_ons = await asyncio.to_thread(load_add_ons, ns, buckets)
         self.ctx = ServerContext(engine, shutdown_timeout_s=ns.shutdown_timeout)
-        # No API key and no body limit here: the ingress checked both.
-        self.app = create_app(self.ctx, max_body_bytes=ns.max_body_bytes, add_ons=add_ons,
-                              body_timeout_s=ns.body_timeout)
+        # No API key behind the ingress, which checked it; a direct replica checks it itself.
+        api_key = ns.api_key if ns.ray_ingress == "haproxy" else None
+        self.api = create_app(self.ctx, api_key=api_key, max_body_bytes=ns.max_body_bytes,
+                              add_ons=add_ons, body_timeout_s=ns.body_timeout)
         self._add_ons = add_ons
         self._stack = AsyncExitStack()
-        await self._stack.enter_async_context(self.app.router.lifespan_context(self.app))
+        await self._stack.enter_async_context(self.api.router.lifespan_context(self.api))
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._hub = hub
         self._pusher = asyncio.create_task(self._push_metrics())
@@ -169,7 +180,7 @@ class EngineReplica:
         async def send(message: Message) -> None:
             queue.put_nowait(message)
 
-        task = asyncio.create_task(self.app(request.scope, receive, send))
+        task = asyncio.create_task(self.api(request.scope, receive, send))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             done = body_sent = False
@@ -202,11 +213,39 @@ class EngineReplica:
     async def __del__(self) -> None:
         """Ray Serve waited for the replica's requests (graceful_shutdown_timeout_s); stop
         the engine core and the add-ons as the single server's lifespan does."""
+        if not hasattr(self, "_pusher"):  # __init__ failed: nothing was started
+            return
         self._pusher.cancel()
         from bucketserve.server.app import begin_drain
 
         begin_drain(self.ctx)
         await self._stack.aclose()
+
+
+class DirectReplica(EngineReplica):
+    """--ray-ingress haproxy: an engine replica that is the application's ingress. Ray Serve
+    runs the ASGI app that `__serve_build_asgi_app__` returns on the replica's own HTTP port
+    (direct ingress) and HAProxy balances clients over the replicas; the single server's app
+    answers everything but GET /metrics, which merges every replica's series."""
+
+    def __serve_build_asgi_app__(self) -> Any:
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            await self.endpoint(scope, receive, send)  # (a plain function: uvicorn's ASGI 3)
+
+        return app
+
+    async def endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":  # the app's own lifespan ran in __init__
+            await lifespan(receive, send)
+            return
+        if scope["type"] == "http" and scope["path"] == "/metrics" and scope["method"] == "GET":
+            texts = await self._hub.collect.remote()
+            texts[self.replica] = self.ctx.metrics.render().decode()  # this one, fresh
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
+            await send({"type": "http.response.body", "body": merge_metrics(texts)})
+            return
+        await self.api(scope, receive, send)
 
 
 # -------------------------------------------------------------------------- metrics hub
@@ -380,8 +419,13 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     values as strings (from `serve run`) or typed (from a config file or the CLI)."""
     ns = serve_args(typed(args))
     running, waiting = replica_limits(ns)
+    direct = ns.ray_ingress == "haproxy"
+    if direct and ns.request_router:
+        raise ValueError(ROUTER_NEEDS_PROXY)
     options: dict[str, Any] = {
-        "max_ongoing_requests": running + waiting,
+        # direct: room above the engine's own limits, so that its queue_full 503 (an OpenAI
+        # error body) comes before Ray's plain-text back-pressure answer
+        "max_ongoing_requests": running + waiting + (DIRECT_MARGIN if direct else 0),
         "max_queued_requests": (waiting if ns.max_queued_requests is None
                                 else ns.max_queued_requests),
         "health_check_period_s": HEALTH_PERIOD_S,
@@ -403,6 +447,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         options["request_router_config"] = {"request_router_class": ns.request_router}
     hub = serve.deployment(MetricsHub, ray_actor_options={"num_cpus": 0},
                            logging_config={"enable_access_log": False}).bind()
+    if direct:
+        return serve.deployment(serve.ingress()(DirectReplica)).options(**options).bind(
+            vars(ns), hub)
     engine = serve.deployment(EngineReplica).options(**options).bind(vars(ns), hub)
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         # the ingress only forwards: it must never be the bottleneck
@@ -443,6 +490,10 @@ def serve_ray(args: argparse.Namespace) -> int:
     (replicas drain for --shutdown-timeout seconds) and exits 0."""
     import ray
 
+    if args.ray_ingress == "haproxy":
+        # read by Serve's controller at its start (a local instance inherits this process's
+        # environment; a cluster joined with --ray-address must have been started with it)
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     # "local": a new instance even when this machine already runs a `ray start` cluster
     init: dict[str, Any] = {"address": args.ray_address or "local", "log_to_driver": True}
     if args.ray_address is None:
