@@ -53,13 +53,7 @@ def _min_tokens_active(seq: Sequence) -> bool:
 def _plain_row(s: Sequence) -> bool:
     """Greedy, and nothing but the argmax this step: no logprobs, grammar, bias, penalty or
     active min_tokens."""
-    if s.sample_plain and s.grammar is None:  # (decided from the params at its start)
-        return True
-    p = s.params
-    return not (p.temperature >= 1e-5 or p.logprobs is not None or p.repetition_penalty != 1.0
-                or s.grammar is not None or p.logit_bias
-                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                or _min_tokens_active(s))
+    return s.argmax_only and s.grammar is None and not _min_tokens_active(s)
 
 
 def _counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

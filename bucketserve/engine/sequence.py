@@ -167,19 +167,20 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         # What the sampler does for this row, read from `params` once here (the params of a
         # sequence never change) rather than from several fields of every row every step:
-        # argmax (greedy or top_k 1: no draw); argmax and nothing else (no logprobs, bias,
-        # penalties or min_tokens; a grammar is checked on its own, see `grammar`); the
-        # sequence length below which min_tokens is active (0: never); logit processing
-        # (bias, min_tokens or a penalty) needed; a penalty, which reads the token history
-        # (LLMEngine._needs_host_tokens).
+        # argmax (greedy or top_k 1: no draw); argmax and nothing else but min_tokens (no
+        # logprobs, bias or penalties; a grammar is checked on its own, see `grammar`), and
+        # without min_tokens either (and no guided decoding); the sequence length below which
+        # min_tokens is active (0: never); logit processing (bias, min_tokens or a penalty)
+        # needed; a penalty, which reads the token history (LLMEngine._needs_host_tokens).
         p = params
         self.sample_argmax = p.greedy or p.top_k == 1
         self.penalised = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                           or p.frequency_penalty != 0.0)
         self.min_tokens_end = self.num_prompt_tokens + p.min_tokens if p.min_tokens else 0
         self.logit_processing = bool(p.logit_bias) or p.min_tokens > 0 or self.penalised
-        self.sample_plain = (p.greedy and p.logprobs is None and not self.logit_processing
-                             and p.guided is None)
+        self.argmax_only = (p.greedy and p.logprobs is None and not p.logit_bias
+                            and not self.penalised)
+        self.sample_plain = self.argmax_only and not p.min_tokens and p.guided is None
         self.generator: torch.Generator | None = None
         # guided decoding: engine/structured.GrammarState, set by the engine that queues it
         self.grammar = None

@@ -131,7 +131,6 @@ class EngineReplica:
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         ns = serve_args(args)
-        self.ns = ns
         self.batch_wait_s = ns.stream_batch_ms / 1e3
         logging.getLogger("bucketserve").setLevel(ns.log_level.upper())
         # Loading blocks for a while: off the replica's event loop, which answers Ray.
