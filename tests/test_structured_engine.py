@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 import jsonschema
 import pytest
+import torch
 
 from bucketserve.buckets import load_buckets
 from bucketserve.engine.llm_engine import LLMEngine
@@ -170,7 +171,7 @@ def test_overlapped_guided_steps_resolve_after_the_forward_is_queued(loaded):
     events: list[str] = []
 
     def forward(*args, **kwargs):
-        events.append("F")
+        events.append("F" if torch.is_inference_mode_enabled() else "f")  # (no autograd)
         return model_forward(*args, **kwargs)
 
     def traced_launch_forward(batch):
@@ -203,6 +204,7 @@ def test_overlapped_guided_steps_resolve_after_the_forward_is_queued(loaded):
     assert steps.count("SRQF|") >= len(want[0]) - 3, steps
     # a resolve always follows its step's queued forward (never a sampling's before its forward)
     assert "QS" not in steps and "QR" not in steps, steps
+    assert "f" not in steps, steps  # every forward, queued or not, runs in inference mode
 
 
 class SmallVocab:

@@ -470,6 +470,7 @@ class ModelRunner:
         computes this step's forward."""
         return self.sample_queued(self.launch_forward(batch), before_sample)
 
+    @torch.inference_mode()
     def launch_forward(self, batch: ScheduledBatch) -> QueuedForward:
         """`launch`'s first half: the inputs and the forward, queued on the device; the
         sampling waits for `sample_queued`. Nothing else may be launched in between."""
@@ -503,6 +504,7 @@ class ModelRunner:
         st["forward_s"] += time.perf_counter() - t1
         return QueuedForward(batch, plan, hidden, rows, padding)
 
+    @torch.inference_mode()
     def sample_queued(self, queued: QueuedForward,
                       before_sample: Callable[[], None] | None = None) -> RunnerStep:
         """`launch`'s second half: runs `before_sample` on the host, then queues the sampling
