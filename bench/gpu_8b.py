@@ -471,14 +471,26 @@ def main() -> None:
     ap.add_argument("--vllm-script", default=default_vllm_script())
     ap.add_argument("--vllm-timeout", type=float, default=420.0)
     ap.add_argument("--blas", default="", help="torch.backends.cuda.preferred_blas_library")
+    ap.add_argument("--fp8-decode", default="",
+                    help="decode over an FP8 pool: 'f16' (dots in fp16) and/or a tile config "
+                         "'n128w4s3', comma-separated (kernels/triton_attention FP8_*)")
     args = ap.parse_args()
+    from bucketserve.kernels import triton_attention as ta
+    for part in filter(None, args.fp8_decode.split(",")):
+        if part == "f16":
+            ta.FP8_F16_DOT = True
+        else:
+            n, rest = part[1:].split("w")
+            w, st = rest.split("s")
+            ta.FP8_DECODE_TILES = (int(n), int(w), int(st))
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     out_json = Path(args.out) / "gpu_8b.json"
     RES["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-                  "argv": sys.argv[1:], "blas": args.blas or "default"}
+                  "argv": sys.argv[1:], "blas": args.blas or "default",
+                  "fp8_decode": args.fp8_decode or "default"}
     bw = gt.copy_bandwidth_gbs()
     RES["env"]["copy_bw_gbs"] = bw
 
