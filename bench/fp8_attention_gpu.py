@@ -42,7 +42,7 @@ def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch
     return torch.einsum("bhgn,bnhd->bhgd", s.softmax(-1), v).reshape(b, HQ, D)
 
 
-def case(batch: int, ctx: int, bw: float, gen: torch.Generator) -> None:
+def case(batch: int, ctx: int, bw: float, gen: torch.Generator, pools: set[str]) -> None:
     nb = batch * math.ceil(ctx / PAGE) + 1
     meta = ag.decode_meta(batch, ctx, nb, gen)
     vals = torch.randn(LAYERS, 2, nb, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16)
@@ -60,6 +60,8 @@ def case(batch: int, ctx: int, bw: float, gen: torch.Generator) -> None:
             "fp8": reference(q, fp8[0, 0].float() * scales[0][0],
                              fp8[0, 1].float() * scales[0][1], meta.block_tables, ctx)}
     for pool_name, pool, f16s in (("bf16", vals, (False,)), ("fp8", fp8, (False, True))):
+        if pool_name not in pools:
+            continue
         bound_us = batch * ctx * HKV * D * 2 * pool.element_size() / bw * 1e6
         for f16 in f16s:
             for splits in sorted({splits_auto, max(1, splits_auto // 2)}):
@@ -93,14 +95,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--cases", default="256x512,64x512,256x2048,1x2048")
+    ap.add_argument("--pools", default="bf16,fp8")
+    ap.add_argument("--configs", default="",
+                    help="tile configs 'n64w2s4,...' (default: the built-in list)")
     args = ap.parse_args()
+    if args.configs:
+        CONFIGS[:] = [tuple(int(x) for x in c[1:].replace("w", " ").replace("s", " ").split())
+                      for c in args.configs.split(",")]
     props = torch.cuda.get_device_properties(0)
     ag.record("device", name=props.name, sms=props.multi_processor_count)
     bw = ag.copy_bandwidth()
     gen = torch.Generator().manual_seed(0)
     for c in args.cases.split(","):
         b, n = (int(x) for x in c.split("x"))
-        case(b, n, bw, gen)
+        case(b, n, bw, gen, set(args.pools.split(",")))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fp8_attention.json").write_text(json.dumps(ag.RESULTS, indent=1))

@@ -472,13 +472,16 @@ def main() -> None:
     ap.add_argument("--vllm-timeout", type=float, default=420.0)
     ap.add_argument("--blas", default="", help="torch.backends.cuda.preferred_blas_library")
     ap.add_argument("--fp8-decode", default="",
-                    help="decode over an FP8 pool: 'f16' (dots in fp16) and/or a tile config "
-                         "'n128w4s3', comma-separated (kernels/triton_attention FP8_*)")
+                    help="decode over an FP8 pool, comma-separated: 'f16' or 'bf16' (the dots' "
+                         "dtype), 'n128w4s3' (a tile config) or 'bf16tiles' (the bf16 pool's); "
+                         "else kernels/triton_attention's FP8_* defaults")
     args = ap.parse_args()
     from bucketserve.kernels import triton_attention as ta
     for part in filter(None, args.fp8_decode.split(",")):
-        if part == "f16":
-            ta.FP8_F16_DOT = True
+        if part in ("f16", "bf16"):
+            ta.FP8_F16_DOT = part == "f16"
+        elif part == "bf16tiles":
+            ta.FP8_DECODE_TILES = None
         else:
             n, rest = part[1:].split("w")
             w, st = rest.split("s")

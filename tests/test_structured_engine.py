@@ -305,3 +305,38 @@ def test_needs_host_tokens_for_a_pending_grammar_or_penalty():
                     {"frequency_penalty": -0.2}):
         assert needs(SimpleNamespace(seqs=[*plain, row(1, **special)])), special
         assert not needs(SimpleNamespace(seqs=[*plain, row(0, **special)])), special
+
+
+def test_overlapped_news_reach_the_core_once_per_step(loaded):
+    """The engine core's path (OutputProcessor.add_news after each step_news, ids only): with
+    sequences whose sampling reads the host tokens (a penalty) beside plain ones of staggered
+    lengths, a call that resolves two steps (the queued-forward path launches a plain next step
+    whole and resolves the one before) must still report each sequence once, so that a
+    sequence ending in the second step is not sent after its state is gone; and every request
+    gets exactly its max_tokens ids, each once."""
+    eng = LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), "cpu",
+                    async_scheduling=True)
+    p = prompt(eng, "Count to ten.")
+    want: dict[str, int] = {}
+    for i in range(12):
+        n = 3 + i
+        seq = eng.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                                detokenize=False,
+                                                repetition_penalty=1.3 if i % 3 == 0 else 1.0))
+        want[seq.request_id] = n
+    got = {rid: [] for rid in want}
+    finished: set[str] = set()
+    while eng.has_unfinished():
+        outputs, rids, tokens = [], [], []
+        eng.outputs.add_news(eng.step_news(), outputs, rids, tokens)
+        for rid, tok in zip(rids, tokens, strict=True):
+            got[rid].append(tok)
+        for o in outputs:
+            assert o.request_id not in finished
+            got[o.request_id] += o.new_token_ids
+            if o.finish_reason is not None:
+                assert o.finish_reason == "length"
+                finished.add(o.request_id)
+    assert finished == set(want)
+    assert {rid: len(ids) for rid, ids in got.items()} == want
+    assert not eng.outputs.states

@@ -51,6 +51,15 @@ News = tuple[Sequence, str | None]
 MAX_FAILED_STEPS = 3
 
 
+def _once_per_sequence(news: list[News]) -> list[News]:
+    """News with one entry per sequence, the last of each (an error, if any, is kept)."""
+    last: dict[int, News] = {}
+    for seq, error in news:
+        prev = last.get(id(seq))
+        last[id(seq)] = (seq, error if error is not None or prev is None else prev[1])
+    return list(last.values()) if len(last) < len(news) else news
+
+
 class LLMEngine:
     def __init__(self, loaded, buckets: BucketsConfig, device: str | torch.device = "cpu",
                  num_blocks: int | None = None, cuda_graphs: bool = True,
@@ -346,6 +355,10 @@ class LLMEngine:
             step = self._launch(nxt, results, lambda held: self.runner.launch(nxt, held))
             if step is not None:
                 self._after_launch(nxt, step, results, t1)
+            # this call resolved two steps: a sequence of both has two entries, and the
+            # caller takes one per sequence (the core's output state of a sequence that ended
+            # goes with its first): keep one, the last (its output covers every new token)
+            results[:] = _once_per_sequence(results)
             return
         try:
             if self.faults is not None:
