@@ -471,14 +471,29 @@ def main() -> None:
     ap.add_argument("--vllm-script", default=default_vllm_script())
     ap.add_argument("--vllm-timeout", type=float, default=420.0)
     ap.add_argument("--blas", default="", help="torch.backends.cuda.preferred_blas_library")
+    ap.add_argument("--fp8-decode", default="",
+                    help="decode over an FP8 pool, comma-separated: 'f16' or 'bf16' (the dots' "
+                         "dtype), 'n128w4s3' (a tile config) or 'bf16tiles' (the bf16 pool's); "
+                         "else kernels/triton_attention's FP8_* defaults")
     args = ap.parse_args()
+    from bucketserve.kernels import triton_attention as ta
+    for part in filter(None, args.fp8_decode.split(",")):
+        if part in ("f16", "bf16"):
+            ta.FP8_F16_DOT = part == "f16"
+        elif part == "bf16tiles":
+            ta.FP8_DECODE_TILES = None
+        else:
+            n, rest = part[1:].split("w")
+            w, st = rest.split("s")
+            ta.FP8_DECODE_TILES = (int(n), int(w), int(st))
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     out_json = Path(args.out) / "gpu_8b.json"
     RES["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-                  "argv": sys.argv[1:], "blas": args.blas or "default"}
+                  "argv": sys.argv[1:], "blas": args.blas or "default",
+                  "fp8_decode": args.fp8_decode or "default"}
     bw = gt.copy_bandwidth_gbs()
     RES["env"]["copy_bw_gbs"] = bw
 

@@ -182,3 +182,33 @@ def test_fp8_engine_stays_close_to_bf16(tiny, references, tmp_path, quantization
     else:
         assert r.num_graph_steps == 0 and r.num_piecewise_steps == 0
 
+
+
+@pytest.mark.parametrize("f16_dot", [False, True])
+@pytest.mark.parametrize("batch,ctx,splits", [(64, 512, 1), (3, 2000, 4)])
+def test_decode_over_an_fp8_pool_matches_reference(f16_dot, batch, ctx, splits):
+    """Llama-3-8B heads, bf16 queries, an FP8 pool with scales, pages scattered: the decode
+    kernel with its dots in bf16 or fp16 against fp32 attention over the pool's values."""
+    from bucketserve.kernels import triton_attention as ta
+    from bucketserve.kernels.attention import AttentionMetadata, reference_attention
+
+    torch.manual_seed(batch)
+    hq, hkv, d, page, ks, vs = 32, 8, 128, 16, 0.03, 0.01
+    per = -(-ctx // page)
+    nb = batch * per + 1
+    kc = torch.randn(nb, page, hkv, d, device="cuda").mul(60).clamp(-448, 448).to(FP8_DTYPE)
+    vc = torch.randn(nb, page, hkv, d, device="cuda").mul(60).clamp(-448, 448).to(FP8_DTYPE)
+    tables = (torch.randperm(nb - 1, device="cuda")[: batch * per] + 1).view(batch, per).int()
+    lens = torch.randint(ctx // 2, ctx + 1, (batch,), dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, hq, d, device="cuda").to(torch.bfloat16)
+    out = torch.empty_like(q)
+    ta.paged_decode(q, kc, vc, tables, lens, batch, d ** -0.5, out, num_splits=splits,
+                    kv_scales=(ks, vs), f16_dot=f16_dot)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.long, device="cuda"),
+                             query_start_loc=torch.arange(batch + 1, dtype=torch.int32,
+                                                          device="cuda"),
+                             seq_lens=lens, block_tables=tables, num_decodes=batch,
+                             max_query_len=1, max_seq_len=ctx, query_lens_cpu=[1] * batch,
+                             seq_lens_cpu=lens.tolist())
+    ref = reference_attention(q.float(), kc.float() * ks, vc.float() * vs, meta, d ** -0.5)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * vs * 60)

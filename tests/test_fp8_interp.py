@@ -125,3 +125,28 @@ def test_quantize_rows_kernel_matches_torch():
     q_ref, s_ref = quantize_rows_torch(x[3:5], static)
     assert q.float().abs().max() == FP8_MAX
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_decode_over_an_fp8_pool_with_fp16_dots():
+    """bf16 queries over an FP8 pool with the dots in fp16 (f16_dot): within bf16 rounding of
+    the fp32 reference on the pool's values. (The interpreter cannot check the dots in bf16:
+    its FP8-to-bf16 conversion gives garbage; tests/test_fp8_gpu.py checks both on a GPU.)"""
+    ta = _interp()
+    torch.manual_seed(3)
+    page, hkv, hq, d, ctx = 16, 2, 8, 32, [37, 5, 64]
+    per = -(-max(ctx) // page)
+    nb = len(ctx) * per + 1
+    kc, vc = _fp8_values(nb, page, hkv, d), _fp8_values(nb, page, hkv, d)
+    tables = (torch.randperm(nb - 1)[: len(ctx) * per] + 1).view(len(ctx), per).int()
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    q = torch.randn(len(ctx), hq, d).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    ta.paged_decode(q, kc, vc, tables, lens, len(ctx), d ** -0.5, out, kv_scales=(KS, VS),
+                    f16_dot=True)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(len(ctx), dtype=torch.long),
+                             query_start_loc=torch.arange(len(ctx) + 1, dtype=torch.int32),
+                             seq_lens=lens, block_tables=tables, num_decodes=len(ctx),
+                             max_query_len=1, max_seq_len=max(ctx),
+                             query_lens_cpu=[1] * len(ctx), seq_lens_cpu=ctx)
+    ref = reference_attention(q.float(), kc.float() * KS, vc.float() * VS, meta, d ** -0.5)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * VS)

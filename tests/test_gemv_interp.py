@@ -34,3 +34,57 @@ def test_gemv_kernel_matches_a_float32_reference(dtype, n, k, config):
         triton_gemv.gemv(torch.cat([x, x]), w, config=config)
     with pytest.raises(ValueError, match="unit stride"):
         triton_gemv.gemv(x, w.t().contiguous().t(), config=config)
+
+
+@pytest.mark.parametrize("n, k, config", [(37, 300, (8, 256, 4, 2)), (64, 512, (16, 256, 4, 3))])
+def test_fp8_gemv_matches_the_w8a8_reference(n, k, config):
+    """gemv_fp8 (FP8 row and weight, row scale and per-channel weight scales) equals the
+    W8A8 product of kernels/fp8_ops.fp8_linear (dequantized operands in float32) for one row,
+    and refuses more than one row."""
+    from triton_interp import interpreted_triton
+
+    interpreted_triton()
+    from bucketserve.kernels import triton_gemv
+    from bucketserve.kernels.fp8 import quantize_fp8_per_channel
+    from bucketserve.kernels.fp8_ops import fp8_linear, quantize_rows_torch
+
+    gen = torch.Generator().manual_seed(n + k)
+    w, ws = quantize_fp8_per_channel(torch.randn(n, k, generator=gen) * 0.05)
+    q, s = quantize_rows_torch(torch.randn(1, k, generator=gen))
+    want = fp8_linear((q, s), w, ws, None, torch.float32)
+    got = triton_gemv.gemv_fp8(q, s, w, ws, torch.float32, config=config)
+    assert got.shape == (1, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    bf16 = triton_gemv.gemv_fp8(q, s, w, ws, config=config)
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    with pytest.raises(ValueError, match="one row"):
+        triton_gemv.gemv_fp8(torch.cat([q, q]), s, w, ws, config=config)
+
+
+def test_an_fp8_projection_with_a_gemv_config_runs_one_row_through_it():
+    """Fp8Linear with `gemv` set (what use_gemv does where gemv_fp8 measured faster): a one-row
+    input, in the model dtype or already quantized, goes through gemv_fp8 and gives the
+    _scaled_mm reference's result; more rows keep the reference path."""
+    from triton_interp import interpreted_triton
+
+    interpreted_triton()
+    from unittest import mock
+
+    from bucketserve.kernels import triton_gemv
+    from bucketserve.kernels.fp8 import quantize_fp8_per_channel
+    from bucketserve.models.llama import Fp8Linear
+
+    gen = torch.Generator().manual_seed(7)
+    lin = Fp8Linear(300, 37, bias=False, dtype=torch.float32)
+    w, ws = quantize_fp8_per_channel(torch.randn(37, 300, generator=gen) * 0.05)
+    lin.weight.data, lin.weight_scale.data = w, ws
+    x = torch.randn(3, 300, generator=gen)
+    want = lin(x)  # gemv None: the reference for every row
+    lin.gemv = (8, 256, 4, 2)
+    with mock.patch.object(triton_gemv, "gemv_fp8", wraps=triton_gemv.gemv_fp8) as spy:
+        one = lin(x[:1])
+        assert spy.call_count == 1
+        torch.testing.assert_close(one, want[:1], rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        torch.testing.assert_close(lin(x), want)  # three rows: not the GEMV
+        assert spy.call_count == 1

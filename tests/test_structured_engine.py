@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 import jsonschema
 import pytest
+import torch
 
 from bucketserve.buckets import load_buckets
 from bucketserve.engine.llm_engine import LLMEngine
@@ -150,10 +151,12 @@ def test_preemption_keeps_the_matcher(loaded, overlapped):
 
 
 def test_overlapped_guided_steps_resolve_after_the_forward_is_queued(loaded):
-    """Overlapped scheduling with a grammar: the previous step is resolved inside launch, once
-    the next forward is queued and before its sampling reads the newest tokens (the mask), so
-    the host work hides behind the forward; the tokens are those of synchronous scheduling.
-    Fresh engines: a prefix cached by another test would change the numerics."""
+    """Overlapped scheduling with a grammar: the previous step is resolved once the next
+    forward is queued and before its sampling reads the newest tokens (the mask), so the host
+    work hides behind the forward; and each call queues the following step's forward behind
+    its sampling before it returns, so the device computes it while the caller sends the
+    outputs. The tokens are those of synchronous scheduling. Fresh engines: a prefix cached
+    by another test would change the numerics."""
     sync, overlapped = (LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len),
                                   "cpu", async_scheduling=a) for a in (False, True))
     p = prompt(overlapped, "Describe a person as JSON.")
@@ -163,31 +166,45 @@ def test_overlapped_guided_steps_resolve_after_the_forward_is_queued(loaded):
     want = [o.token_ids for o in sync.generate([p, p], params)]
 
     runner = overlapped.runner
-    launch, model_forward = runner.launch, runner.model.forward
+    launch_forward, sample_queued = runner.launch_forward, runner.sample_queued
+    model_forward, step_news = runner.model.forward, overlapped.step_news
     events: list[str] = []
 
     def forward(*args, **kwargs):
-        events.append("forward")
+        events.append("F" if torch.is_inference_mode_enabled() else "f")  # (no autograd)
         return model_forward(*args, **kwargs)
 
-    def traced_launch(batch, before_sample=None):
-        events.append("launch")
+    def traced_launch_forward(batch):
+        events.append("Q")
+        return launch_forward(batch)
+
+    def traced_sample_queued(queued, before_sample=None):
+        events.append("S")
 
         def resolve() -> None:
-            events.append("resolve")
+            events.append("R")
             before_sample()
 
-        return launch(batch, resolve if before_sample is not None else None)
+        return sample_queued(queued, resolve if before_sample is not None else None)
 
-    runner.launch, runner.model.forward = traced_launch, forward
+    def traced_step_news():
+        news = step_news()
+        events.append("|")
+        return news
+
+    runner.launch_forward, runner.sample_queued = traced_launch_forward, traced_sample_queued
+    runner.model.forward, overlapped.step_news = forward, traced_step_news
     got = [o.token_ids for o in overlapped.generate([p, p], params)]
     assert got == want
     assert json.loads(overlapped.tokenizer.decode(got[0]))  # a whole document
-    # every guided decode step after the first resolves its predecessor inside launch,
-    # right after its own forward
-    steps = "".join({"launch": "L", "forward": "F", "resolve": "R"}[e] for e in events)
-    assert steps.count("LFR") >= len(want[0]) - 2, steps
-    assert "LR" not in steps, steps
+    steps = "".join(events)
+    # every guided step after the first two: sampled at the start of a call, its predecessor
+    # resolved inside (after its forward, queued by the call before), then the next forward
+    # queued before the call returns
+    assert steps.count("SRQF|") >= len(want[0]) - 3, steps
+    # a resolve always follows its step's queued forward (never a sampling's before its forward)
+    assert "QS" not in steps and "QR" not in steps, steps
+    assert "f" not in steps, steps  # every forward, queued or not, runs in inference mode
 
 
 class SmallVocab:
@@ -288,3 +305,38 @@ def test_needs_host_tokens_for_a_pending_grammar_or_penalty():
                     {"frequency_penalty": -0.2}):
         assert needs(SimpleNamespace(seqs=[*plain, row(1, **special)])), special
         assert not needs(SimpleNamespace(seqs=[*plain, row(0, **special)])), special
+
+
+def test_overlapped_news_reach_the_core_once_per_step(loaded):
+    """The engine core's path (OutputProcessor.add_news after each step_news, ids only): with
+    sequences whose sampling reads the host tokens (a penalty) beside plain ones of staggered
+    lengths, a call that resolves two steps (the queued-forward path launches a plain next step
+    whole and resolves the one before) must still report each sequence once, so that a
+    sequence ending in the second step is not sent after its state is gone; and every request
+    gets exactly its max_tokens ids, each once."""
+    eng = LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), "cpu",
+                    async_scheduling=True)
+    p = prompt(eng, "Count to ten.")
+    want: dict[str, int] = {}
+    for i in range(12):
+        n = 3 + i
+        seq = eng.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                                detokenize=False,
+                                                repetition_penalty=1.3 if i % 3 == 0 else 1.0))
+        want[seq.request_id] = n
+    got = {rid: [] for rid in want}
+    finished: set[str] = set()
+    while eng.has_unfinished():
+        outputs, rids, tokens = [], [], []
+        eng.outputs.add_news(eng.step_news(), outputs, rids, tokens)
+        for rid, tok in zip(rids, tokens, strict=True):
+            got[rid].append(tok)
+        for o in outputs:
+            assert o.request_id not in finished
+            got[o.request_id] += o.new_token_ids
+            if o.finish_reason is not None:
+                assert o.finish_reason == "length"
+                finished.add(o.request_id)
+    assert finished == set(want)
+    assert {rid: len(ids) for rid, ids in got.items()} == want
+    assert not eng.outputs.states

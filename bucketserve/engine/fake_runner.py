@@ -67,9 +67,19 @@ class FakeRunner:
 
     def launch(self, batch: ScheduledBatch,
                before_sample: Callable[[], None] | None = None) -> RunnerStep:
-        t0 = time.perf_counter()
         if before_sample is not None:
             before_sample()
+        return self._made_up(batch)
+
+    def launch_forward(self, batch: ScheduledBatch) -> ScheduledBatch:
+        return batch  # (the ids are made up at the sampling: nothing to queue)
+
+    def sample_queued(self, batch: ScheduledBatch,
+                      before_sample: Callable[[], None] | None = None) -> RunnerStep:
+        return self.launch(batch, before_sample)
+
+    def _made_up(self, batch: ScheduledBatch) -> RunnerStep:
+        t0 = time.perf_counter()
         plan = self.inputs.fill(batch, self._last_index)
         self.num_placeholder_tokens += len(plan.placeholder_rows)
         seq_lens, lo, span = plan.seq_lens, self.lo, self.span

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -31,9 +32,9 @@ from bucketserve.engine.kv_budget import KVLayout, StepLimits, gpu_kv_budget_blo
 from bucketserve.engine.messages import RequestLimits
 from bucketserve.engine.output_processor import OutputProcessor
 from bucketserve.engine.outputs import RequestOutput
-from bucketserve.engine.runner import ModelRunner, RunnerStep
+from bucketserve.engine.runner import ModelRunner, QueuedForward, RunnerStep
 from bucketserve.engine.sampler import Sampler
-from bucketserve.engine.scheduler import Scheduler
+from bucketserve.engine.scheduler import ScheduledBatch, Scheduler
 from bucketserve.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from bucketserve.engine.stats import EngineStats, StepStats
 from bucketserve.kernels.cpu_plan import CpuPlan, resolve_cpu_plan
@@ -48,6 +49,15 @@ News = tuple[Sequence, str | None]
 
 # Steps failing one after the other before the engine gives up (a part that stays broken).
 MAX_FAILED_STEPS = 3
+
+
+def _once_per_sequence(news: list[News]) -> list[News]:
+    """News with one entry per sequence, the last of each (an error, if any, is kept)."""
+    last: dict[int, News] = {}
+    for seq, error in news:
+        prev = last.get(id(seq))
+        last[id(seq)] = (seq, error if error is not None or prev is None else prev[1])
+    return list(last.values()) if len(last) < len(news) else news
 
 
 class LLMEngine:
@@ -134,6 +144,9 @@ class LLMEngine:
         self.async_scheduling = async_scheduling
         self.nvtx = nvtx and self.device.type == "cuda"
         self._inflight: RunnerStep | None = None  # launched, not yet resolved (async only)
+        # a step whose forward is queued and whose sampling waits for the next call (async
+        # only: its sampling reads _inflight's tokens on the host; _after_launch)
+        self._queued: tuple[ScheduledBatch, QueuedForward] | None = None
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self.stats.kv_blocks_total = self.block_manager.num_usable_blocks
@@ -226,7 +239,8 @@ class LLMEngine:
         return self.outputs.output(seq)
 
     def has_unfinished(self) -> bool:
-        return self._inflight is not None or self.scheduler.has_unfinished()
+        return (self._inflight is not None or self._queued is not None
+                or self.scheduler.has_unfinished())
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -242,24 +256,47 @@ class LLMEngine:
         output (`outputs.output`, or the core's `outputs.seq_output`) before the next step:
         the output processor keeps what was sent, and drops a finished sequence's state."""
         t0 = time.perf_counter()
+        results: list[News] = []
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            # the previous call queued this step's forward; its sampling waited for the
+            # in-flight step's tokens, which are resolved now, inside sample_queued
+            batch, forward = queued
+            step = self._launch(batch, results, lambda held: self.runner.sample_queued(
+                forward, held))
+            if step is not None:
+                self._after_launch(batch, step, results, t0)
+            return results
         batch = self.scheduler.schedule()
-        results: list[News] = [
-            self._ended(seq, seq.grammar.error if seq.grammar is not None else None)
-            for seq in batch.finished]
+        results += self._finished_by_scheduler(batch)
         bm = self.block_manager
-        prev, self._inflight = self._inflight, None
         if batch.is_empty:
+            prev, self._inflight = self._inflight, None
             if prev is not None:
                 results += self._resolve(prev)
             self.stats.set_prefix_cache(bm.query_tokens, bm.hit_tokens, bm.num_cached_blocks)
             self.stats.set_queue(self.scheduler.num_waiting, self.scheduler.num_running,
                                  bm.num_used_blocks)
             return results
+        step = self._launch(batch, results, lambda held: self.runner.launch(batch, held))
+        if step is not None:
+            self._after_launch(batch, step, results, t0)
+        return results
+
+    def _finished_by_scheduler(self, batch) -> list[News]:
+        return [self._ended(seq, seq.grammar.error if seq.grammar is not None else None)
+                for seq in batch.finished]
+
+    def _launch(self, batch, results: list[News],
+                launch: Callable[[Callable[[], None] | None], RunnerStep]) -> RunnerStep | None:
+        """Launches `batch` (`launch(before_sample)`: the whole step, or the sampling of a
+        queued forward) and resolves the in-flight step: inside the launch, after the forward
+        is queued and before the sampling, when this step's sampling reads the newest tokens
+        on the host (a grammar's mask or a penalty: the host work overlaps the forward),
+        else after it. None: the step failed (its requests' news are in `results`)."""
+        prev, self._inflight = self._inflight, None
         held: list[RunnerStep] = []
         if prev is not None and self._needs_host_tokens(batch):
-            # a grammar's mask or a penalty reads the newest tokens on the host: the previous
-            # step is resolved inside launch, after this step's forward is queued and before
-            # its sampling, so the host work overlaps the device's forward
             held, prev = [prev], None
 
         def resolve_held() -> None:
@@ -271,12 +308,13 @@ class LLMEngine:
                 self.faults.fire("step", (s.token_ids[0] for s in batch.seqs))
                 self.faults.fire("oom", (s.token_ids[0] for s in batch.seqs))
             with self._nvtx(batch):
-                step = self.runner.launch(batch, resolve_held if held else None)
+                step = launch(resolve_held if held else None)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
             resolve_held()
             if prev is not None:
                 results += self._resolve(prev)
-            return results + self._fail_step(batch, exc)
+            results += self._fail_step(batch, exc)
+            return None
         resolve_held()
         self.scheduler.on_launched(batch, step.sample_seqs)
         if self.async_scheduling:
@@ -285,6 +323,15 @@ class LLMEngine:
                 results += self._resolve(prev)
         else:
             results += self._resolve(step)
+        return step
+
+    def _after_launch(self, batch, step: RunnerStep, results: list[News], t0: float) -> None:
+        """Records the step; then, with overlapped scheduling, when the next step's sampling
+        must wait for this one's tokens (a grammar, a penalty), schedules it and queues its
+        forward now, behind this step's sampling: the device computes it while the caller
+        sends this step's outputs and the next call resolves this step. Otherwise the next
+        step is scheduled by the next call, as usual."""
+        bm = self.block_manager
         # after on_launched: it registers the blocks this step computed
         self.stats.set_prefix_cache(bm.query_tokens, bm.hit_tokens, bm.num_cached_blocks)
         self.stats.record(StepStats(
@@ -296,7 +343,31 @@ class LLMEngine:
             num_preemptions=batch.num_preemptions, num_waiting=self.scheduler.num_waiting,
             num_running=self.scheduler.num_running, step_time_s=time.perf_counter() - t0,
             padding_tokens=step.num_padding))
-        return results
+        if not (self.async_scheduling and self._inflight is step and step.sample_seqs
+                and self._needs_host_tokens(batch)):
+            return
+        nxt = self.scheduler.schedule()
+        results += self._finished_by_scheduler(nxt)
+        if nxt.is_empty:
+            return
+        if not self._needs_host_tokens(nxt):  # nothing waits on the host: the whole step now
+            t1 = time.perf_counter()
+            step = self._launch(nxt, results, lambda held: self.runner.launch(nxt, held))
+            if step is not None:
+                self._after_launch(nxt, step, results, t1)
+            # this call resolved two steps: a sequence of both has two entries, and the
+            # caller takes one per sequence (the core's output state of a sequence that ended
+            # goes with its first): keep one, the last (its output covers every new token)
+            results[:] = _once_per_sequence(results)
+            return
+        try:
+            if self.faults is not None:
+                self.faults.fire("step", (s.token_ids[0] for s in nxt.seqs))
+                self.faults.fire("oom", (s.token_ids[0] for s in nxt.seqs))
+            with self._nvtx(nxt):
+                self._queued = (nxt, self.runner.launch_forward(nxt))
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            results += self._fail_step(nxt, exc)
 
     def _resolve(self, step: RunnerStep) -> list[News]:
         """Hands a launched step's sampled tokens to the scheduler and the output processor.

@@ -269,6 +269,18 @@ class StepInputs:
             self.copied.record()
 
 
+@dataclass
+class QueuedForward:
+    """A step whose forward is queued on the device and whose sampling is not yet
+    (`ModelRunner.launch_forward`, then `sample_queued`)."""
+
+    batch: ScheduledBatch
+    plan: StepPlan
+    hidden: torch.Tensor
+    rows: torch.Tensor | None  # the hidden rows to sample (None: the first k)
+    padding: int
+
+
 class RunnerStep:
     """A launched step. `tokens` is the sampled ids on the device (one per sampled row);
     `result()` waits for their copy to the host (the step's one sync) and returns the
@@ -456,6 +468,12 @@ class ModelRunner:
         and before the sampling is: the engine resolves the previous step there when this
         step's sampling reads its tokens (a grammar's mask, penalties), while the device
         computes this step's forward."""
+        return self.sample_queued(self.launch_forward(batch), before_sample)
+
+    @torch.inference_mode()
+    def launch_forward(self, batch: ScheduledBatch) -> QueuedForward:
+        """`launch`'s first half: the inputs and the forward, queued on the device; the
+        sampling waits for `sample_queued`. Nothing else may be launched in between."""
         t0 = time.perf_counter()
         inp = self.inputs
         plan = inp.fill(batch, self._last_index)
@@ -481,15 +499,22 @@ class ModelRunner:
             hidden = self._forward_piecewise(size, ids, pos, meta)
         else:
             hidden = self._forward_eager(ids, pos, meta)
-        t2 = time.perf_counter()
+        st = self.step_timing
+        st["prepare_s"] += t1 - t0
+        st["forward_s"] += time.perf_counter() - t1
+        return QueuedForward(batch, plan, hidden, rows, padding)
+
+    @torch.inference_mode()
+    def sample_queued(self, queued: QueuedForward,
+                      before_sample: Callable[[], None] | None = None) -> RunnerStep:
+        """`launch`'s second half: runs `before_sample` on the host, then queues the sampling
+        of the forward `launch_forward` queued."""
         if before_sample is not None:
             before_sample()
         t3 = time.perf_counter()
-        step = self._sample(batch, plan, hidden, rows, padding)
-        st = self.step_timing
-        st["prepare_s"] += t1 - t0
-        st["forward_s"] += t2 - t1
-        st["sample_s"] += time.perf_counter() - t3
+        step = self._sample(queued.batch, queued.plan, queued.hidden, queued.rows,
+                            queued.padding)
+        self.step_timing["sample_s"] += time.perf_counter() - t3
         return step
 
     def _gather_placeholders(self, plan: StepPlan, ids: torch.Tensor) -> None:

@@ -43,6 +43,14 @@ from bucketserve.kernels.attention import (
 from bucketserve.kernels.fp8 import FP8_DTYPE
 
 _LOG2E = 1.4426950408889634
+# decode over an FP8 pool: dots in fp16 (one conversion instruction per FP8 pair on sm90)
+# instead of q's dtype, and the tile config (positions per tile, warps, stages) without
+# splits (None: the bf16 pool's). Measured on an H200 (bench/fp8_attention_gpu.py, 8B heads,
+# us a layer): batch 256 x context 512 142.4 -> 90.8 (fp16 dots, 64 positions, 2 warps, 4
+# stages; the bf16 pool's 131.5), 256 x 2048 526.9 -> 330.9, 64 x 512 47.9 -> 29.1, 1 x 2048
+# (8 splits, the bf16 pool's tiles) 10.2 -> 8.6; the same errors against fp32
+FP8_F16_DOT = True
+FP8_DECODE_TILES: tuple[int, int, int] | None = (64, 2, 4)
 # a prefill tile of a fixed-grid launch (kernels/attention.prefill_tiles): sequence, query tile
 _TILE_SHIFT: tl.constexpr = tl.constexpr(TILE_SHIFT)
 _TILE_MASK: tl.constexpr = tl.constexpr((1 << TILE_SHIFT) - 1)
@@ -80,7 +88,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr,
                    stride_cb, stride_cs, stride_ch, stride_bt,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DEVICE_COUNT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DEVICE_COUNT: tl.constexpr,
+                   F16_DOT: tl.constexpr):
     s = tl.program_id(0)
     if DEVICE_COUNT:  # fixed grid (a captured mixed step): the decode count is on the device
         if s >= tl.load(nd_ptr):
@@ -100,6 +109,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr,
     dmask = d < HEAD_DIM
     q = tl.load(q_ptr + s * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if F16_DOT:  # an FP8 pool: one cvt an element pair to fp16; q saturated into its range
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -288,28 +299,39 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, num_decodes: int,
                  scale: float, out: torch.Tensor, num_splits: int = 1,
-                 block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                 device_count: torch.Tensor | None = None,
-                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+                 block_n: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None, device_count: torch.Tensor | None = None,
+                 kv_scales: tuple[float, float] = (1.0, 1.0),
+                 f16_dot: bool | None = None) -> None:
     """Rows 0..num_decodes-1 of q [T, Hq, D] attend over their contexts; writes out rows.
     kv_scales: an FP8 pool's (k, v) scales (the pool holds value / scale).
+    f16_dot: an FP8 pool's tiles go to fp16 (not q's dtype) for the dots, q saturated to
+    fp16's range (None: FP8_F16_DOT).
 
     device_count (an int32 tensor of one element on the device): the launch grid covers
     num_decodes rows, but only rows below device_count[0] run (a fixed grid that a CUDA
     graph can replay for any decode count up to num_decodes); needs num_splits == 1.
 
-    block_n (positions per K/V tile) None: 64 for head_dim >= 128 without splits, else 128.
+    block_n (positions per K/V tile) None: 64 for head_dim >= 128 without splits, else 128
+    (an FP8 pool without splits: FP8_DECODE_TILES where set, as num_warps and num_stages).
     Measured on an H200 (bench/gpu_8b.py --attn, 8B heads 32/8/128, context 512): 64 took
     131.6 us a layer at batch 256 (KV-read bound 131.3) against 134.1 for 128, and 36.0 against
     41.1 at batch 64; with splits (small batches) 128 stays ahead at long contexts."""
     hq, d = q.shape[1], q.shape[2]
+    fp8 = k_cache.dtype == FP8_DTYPE
+    tiles = FP8_DECODE_TILES if fp8 and num_splits == 1 else None
     if block_n is None:
-        block_n = 64 if d >= 128 and num_splits == 1 else 128
+        block_n = tiles[0] if tiles else 64 if d >= 128 and num_splits == 1 else 128
+    if num_warps is None:
+        num_warps = tiles[1] if tiles else 4
+    if num_stages is None:
+        num_stages = tiles[2] if tiles else 3
     hkv = k_cache.shape[2]
     group = hq // hkv
     block_d = max(16, triton.next_power_of_2(d))
     if device_count is not None and num_splits != 1:
         raise ValueError("a decode count on the device needs num_splits == 1")
+    f16 = fp8 and q.dtype != torch.float32 and (FP8_F16_DOT if f16_dot is None else f16_dot)
     if num_splits > 1:
         part_o = torch.empty(num_decodes * hq * num_splits * block_d, dtype=torch.float32,
                              device=q.device)
@@ -324,7 +346,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, PAGE=k_cache.shape[1], NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        PRECISION=_precision(q.dtype), DEVICE_COUNT=device_count is not None,
+        PRECISION=_precision(q.dtype), DEVICE_COUNT=device_count is not None, F16_DOT=f16,
         num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _merge_splits_kernel[(num_decodes, hq)](

@@ -21,8 +21,9 @@ from bucketserve.kernels.cuda_timing import graph_us
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, N, K, stride_w,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 SCALED: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -42,6 +43,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w,
                         eviction_policy="evict_first")
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
+    if SCALED:  # FP8 operands: x's row scale and W's per-output-channel scales
+        y = y * tl.load(xs_ptr) * tl.load(ws_ptr + rn, mask=nmask, other=0.0)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -69,9 +72,37 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = config
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, weight, out, n, k, weight.stride(0),
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, weight, out, x, x, n, k, weight.stride(0),
                                         BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-                                        num_warps=warps, num_stages=stages)
+                                        SCALED=False, num_warps=warps, num_stages=stages)
+    return out
+
+
+def gemv_fp8(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+             weight_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+             out: torch.Tensor | None = None,
+             config: tuple[int, int, int, int] = DEFAULT_CONFIG) -> torch.Tensor:
+    """The W8A8 product of one row at a GEMV's byte rate: q [1, K] float8_e4m3fn with its row
+    scale [1, 1] (kernels/fp8_ops.quantize_rows) times weight [N, K] float8_e4m3fn with
+    weight_scale [N] -> [1, N] out_dtype; (sum_k q_k w_nk) * scale * weight_scale_n, summed
+    in float32 as torch._scaled_mm does (kernels/fp8_ops.fp8_linear)."""
+    k = q.shape[-1]
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.stride(1) != 1 or not q.is_contiguous():
+        raise ValueError(f"gemv_fp8 needs weight [N, {k}] with unit stride along K and a "
+                         f"contiguous q; got weight {tuple(weight.shape)} stride "
+                         f"{weight.stride()}")
+    if q.numel() != k or scale.numel() != 1 or weight_scale.numel() != n:
+        raise ValueError(f"gemv_fp8 takes one row, one row scale and {n} weight scales; got q "
+                         f"{tuple(q.shape)}, scale {tuple(scale.shape)}, weight_scale "
+                         f"{tuple(weight_scale.shape)}")
+    if out is None:
+        out = torch.empty((1, n), dtype=out_dtype, device=q.device)
+    bn, bk, warps, stages = config
+    _gemv_kernel[(triton.cdiv(n, bn),)](q, weight, out, scale, weight_scale, n, k,
+                                        weight.stride(0), BLOCK_N=bn, BLOCK_K=bk,
+                                        EVEN_K=k % bk == 0, SCALED=True, num_warps=warps,
+                                        num_stages=stages)
     return out
 
 
@@ -86,20 +117,49 @@ def choose(weights: list[torch.Tensor], candidates: list[tuple[int, int, int, in
     x = torch.randn(1, k, device=ws[0].device, dtype=ws[0].dtype)
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     ref = F.linear(x, ws[0]).float()
-    calls = len(ws)
-    cublas = graph_us(lambda i: torch.mm(x, ws[i].t(), out=out), calls, trials=7)
+    return _fastest(lambda i: torch.mm(x, ws[i].t(), out=out),
+                    lambda i, cfg: gemv(x, ws[i], out, cfg), out, ref, len(ws),
+                    candidates, min_gain)
+
+
+def choose_fp8(weights: list[torch.Tensor], scales: list[torch.Tensor],
+               candidates: list[tuple[int, int, int, int]] | None = None,
+               min_gain: float = 0.02) -> tuple[tuple[int, int, int, int] | None, dict]:
+    """`choose` for FP8 projections (weights [N, K] float8_e4m3fn with per-channel `scales`):
+    torch._scaled_mm of one quantized row (what kernels/fp8_ops.fp8_linear runs) against
+    gemv_fp8 at each candidate config; the same result shape ("cublas_us": _scaled_mm's)."""
+    from bucketserve.kernels.fp8_ops import fp8_linear, quantize_rows
+
+    ws, ss = weights[:8], scales[:8]
+    n, k = ws[0].shape
+    q, s = quantize_rows(torch.randn(1, k, device=ws[0].device, dtype=torch.bfloat16))
+    out = torch.empty(1, n, device=q.device, dtype=torch.bfloat16)
+    ref = fp8_linear((q, s), ws[0], ss[0], None, torch.bfloat16).float()
+    return _fastest(lambda i: fp8_linear((q, s), ws[i], ss[i], None, torch.bfloat16),
+                    lambda i, cfg: gemv_fp8(q, s, ws[i], ss[i], out=out, config=cfg), out, ref,
+                    len(ws), candidates, min_gain)
+
+
+def _fastest(library, kernel, out: torch.Tensor, ref: torch.Tensor, calls: int,
+             candidates: list[tuple[int, int, int, int]] | None,
+             min_gain: float) -> tuple[tuple[int, int, int, int] | None, dict]:
+    """`library(i)` and `kernel(i, config)` (writing `out`) timed over the `calls` rotating
+    weights; a config whose first result is off `ref` by 2% or more is never chosen."""
+    library_us = graph_us(library, calls, trials=7)
     best: tuple[float, tuple[int, int, int, int]] | None = None
     for cfg in candidates or CANDIDATES:
-        gemv(x, ws[0], out, cfg)
+        kernel(0, cfg)
         err = (out.float() - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
         if not err < 2e-2:  # a config this GPU or shape gets wrong is never chosen
             continue
-        us = graph_us(lambda i, cfg=cfg: gemv(x, ws[i], out, cfg), calls, trials=7)
+        us = graph_us(lambda i, cfg=cfg: kernel(i, cfg), calls, trials=7)
         if best is None or us < best[0]:
             best = (us, cfg)
-    info = {"cublas_us": round(cublas, 2)}
+    info = {"cublas_us": round(library_us, 2)}
     if best is not None:
         info.update(gemv_us=round(best[0], 2), config=list(best[1]))
-    if best is None or best[0] > cublas * (1.0 - min_gain):
+    if best is None or best[0] > library_us * (1.0 - min_gain):
         return None, info
     return best[1], info
+
+

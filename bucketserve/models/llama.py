@@ -170,6 +170,9 @@ class Fp8Linear(nn.Module):
         self.register_buffer("input_scale", None)  # a tensor when a checkpoint has one
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype),
                                  requires_grad=False) if bias else None
+        # CUDA: the kernels/triton_gemv.gemv_fp8 config for one-row inputs, set by
+        # LlamaForCausalLM.use_gemv where it measured faster than torch._scaled_mm
+        self.gemv: tuple[int, int, int, int] | None = None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -188,6 +191,11 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if isinstance(x, torch.Tensor):
             x = quantize_rows(x, self.input_scale)
+        if self.gemv is not None and x[0].shape[0] == 1:  # set only on bias-free projections
+            from bucketserve.kernels.triton_gemv import gemv_fp8
+
+            return gemv_fp8(x[0], x[1], self.weight, self.weight_scale, self.out_dtype,
+                            config=self.gemv)
         return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
 
 
@@ -633,13 +641,16 @@ class LlamaForCausalLM(nn.Module):
         """CUDA, bf16 / fp16 weights: one-row products (a decode step of one sequence) by the
         Triton GEMV of kernels/triton_gemv instead of cuBLAS. "auto" times both per weight
         shape (every layer's copy rotating, so that L2 does not hold them) and keeps the GEMV
-        only where it is faster; "on" uses it for every shape; "off" never. Returns per shape
-        ("NxK") the choice and the measured microseconds, for the start-up log."""
+        only where it is faster; "on" uses it for every shape; "off" never. FP8 projections
+        (Fp8Linear) the same way: triton_gemv.gemv_fp8 against torch._scaled_mm of one row.
+        Returns per shape ("NxK", "NxK (fp8)") the choice and the measured microseconds, for
+        the start-up log."""
         if mode not in GEMV_MODES:
             raise ValueError(f"gemv mode {mode!r}; expected one of {GEMV_MODES}")
         w0 = self.model.embed_tokens.weight
         linears = [m for m in self.modules() if isinstance(m, Linear) and m.bias is None]
-        for m in linears:
+        fp8 = [m for m in self.modules() if isinstance(m, Fp8Linear) and m.bias is None]
+        for m in linears + fp8:
             m.gemv = None
         self._lm_head_gemv = None
         if mode == "off" or not w0.is_cuda or w0.dtype not in (torch.bfloat16, torch.float16):
@@ -669,6 +680,24 @@ class LlamaForCausalLM(nn.Module):
             else:
                 for m in mods:
                     m.gemv = cfg
+        fp8_groups: dict[tuple[int, int], list] = {}
+        for m in fp8:
+            fp8_groups.setdefault(tuple(m.weight.shape), []).append(m)
+        for shape, mods in fp8_groups.items():
+            if mode == "on":
+                cfg, row = triton_gemv.DEFAULT_CONFIG, {"forced": True}
+            else:
+                try:
+                    cfg, row = triton_gemv.choose_fp8([m.weight for m in mods],
+                                                      [m.weight_scale for m in mods])
+                except Exception as e:  # noqa: BLE001 - e.g. a GPU Triton cannot compile for
+                    log.warning("FP8 GEMV measurement failed for %s weights (%r); _scaled_mm",
+                                shape, e)
+                    cfg, row = None, {"error": repr(e)[:200]}
+            row["choice"] = "gemv" if cfg is not None else "scaled_mm"
+            info[f"{shape[0]}x{shape[1]} (fp8)"] = row
+            for m in mods:
+                m.gemv = cfg
         return info
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
