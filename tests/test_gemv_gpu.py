@@ -165,13 +165,19 @@ def test_fp8_rows_match_the_w8a8_product_for_every_candidate(m, n, k):
     gen = torch.Generator(device="cuda").manual_seed(m * n + k)
     w, ws = quantize_fp8_per_channel(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
     q, s = quantize_rows(torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16))
-    ref = fp8_linear((q, s), w, ws, None, torch.float32)
+    # the W8A8 product in float32 (torch._scaled_mm itself needs K divisible by 16)
+    ref = (q.float() * s) @ (w.float() * ws[:, None]).t()
+    if k % 16 == 0:
+        torch.testing.assert_close(fp8_linear((q, s), w, ws, None, torch.float32), ref,
+                                   rtol=1e-3, atol=1e-3 * ref.abs().max().item())
     scale = ref.abs().max().item()
     for cfg in triton_gemv.ROW_CANDIDATES:
         y = triton_gemv.rows_fp8(q, s, w, ws, torch.float32, config=cfg)
         assert y.shape == (m, n)
         err = (y - ref).abs().max().item()
-        assert err <= 1e-4 * scale + 1e-6, (cfg, err, scale)
+        # 1e-3 of the largest output: Hopper's FP8 MMA adds within a tile with fewer bits than
+        # fp32 (measured up to 1.6e-4); the projections' bf16 outputs round at 4e-3
+        assert err <= 1e-3 * scale + 1e-6, (cfg, err, scale)
         assert torch.equal(triton_gemv.rows_fp8(q, s, w, ws, torch.float32, config=cfg), y), cfg
 
 

@@ -74,8 +74,9 @@ def _rows_fp8_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, stride_x, str
             x = tl.load(x_rows + cols[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                         eviction_policy="evict_first")
-        if FP8_DOT:  # FP8 tensor cores
-            acc = tl.dot(x, tl.trans(w), acc)
+        if FP8_DOT:  # FP8 tensor cores; each tile's sum added in fp32 here, as Hopper's FP8
+            # MMA accumulates with fewer mantissa bits than fp32 (_scaled_mm promotes too)
+            acc += tl.dot(x, tl.trans(w))
         else:  # fp16 (every e4m3 value is one), fp32 sums
             acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
     xs = tl.load(xs_ptr + rm, mask=mmask, other=0.0)
