@@ -1,4 +1,4 @@
-"""A Triton GEMV for one-row projections (CUDA only): y[1, N] = x[1, K] @ W[N, K]^T.
+"""Triton GEMVs for one-row and few-row projections (CUDA only): y[M, N] = x[M, K] @ W[N, K]^T.
 
 A decode step of one sequence reads every weight once and does two FLOPs per weight, so its
 projections are bound by how fast the weights stream in. cuBLAS reads the small 8B-shape
@@ -8,6 +8,11 @@ BLOCK_K slices with fp32 products accumulated per lane, and reduces once at the 
 split-K, so there is no second launch and the sum order is fixed (the result is the same on
 every run). Whether it is used is decided by measurement: `choose` times each weight shape
 of a model against cuBLAS at start-up (bench/gemm_gpu.py --gemv sweeps all of CONFIGS).
+
+FP8 (W8A8) projections have the same two paths: `gemv_fp8` for one row and `rows_fp8` for
+2..64 rows (small decode batches, where torch._scaled_mm reads the weights at well below
+the copy rate), each timed against _scaled_mm at start-up (`choose_fp8`, `choose_fp8_rows`;
+bench/fp8_rows_gpu.py sweeps rows_fp8's tiles).
 """
 
 from __future__ import annotations
