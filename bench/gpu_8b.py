@@ -475,7 +475,13 @@ def main() -> None:
                     help="decode over an FP8 pool, comma-separated: 'f16' or 'bf16' (the dots' "
                          "dtype), 'n128w4s3' (a tile config) or 'bf16tiles' (the bf16 pool's); "
                          "else kernels/triton_attention's FP8_* defaults")
+    ap.add_argument("--no-fp8-rows", action="store_true",
+                    help="FP8 projections of 2..64 rows stay on torch._scaled_mm "
+                         "(no triton_gemv.rows_fp8)")
     args = ap.parse_args()
+    if args.no_fp8_rows:
+        from bucketserve.kernels import triton_gemv
+        triton_gemv.ROW_BANDS = ()
     from bucketserve.kernels import triton_attention as ta
     for part in filter(None, args.fp8_decode.split(",")):
         if part in ("f16", "bf16"):
@@ -493,7 +499,8 @@ def main() -> None:
     out_json = Path(args.out) / "gpu_8b.json"
     RES["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                   "argv": sys.argv[1:], "blas": args.blas or "default",
-                  "fp8_decode": args.fp8_decode or "default"}
+                  "fp8_decode": args.fp8_decode or "default",
+                  "fp8_rows": not args.no_fp8_rows}
     bw = gt.copy_bandwidth_gbs()
     RES["env"]["copy_bw_gbs"] = bw
 
@@ -522,6 +529,7 @@ def main() -> None:
                     emit("runs", dict(model=shape, budget=budget, mode=mode, error=repr(e)[:800]))
                     continue
                 startup = time.perf_counter() - t0
+                RES["env"].setdefault("cuda_info", {})[mode] = engine.cuda_info
                 for n in [int(x) for x in args.requests.split(",") if x]:
                     r = run_generate(engine, gt.mixed_workload(vocab, n=n), args.repeats)
                     r.update(model=shape, requests=n, budget=engine.max_batched_tokens, mode=mode,

@@ -144,3 +144,65 @@ def test_decode_step_with_gemv_matches_cublas_eager_and_in_a_graph(dtype):
         replay = model.compute_logits(graphs.run(ids, pos, meta).clone())
     # the graph's attention runs unsplit, the eager one may split the context: rounding only
     torch.testing.assert_close(replay, got, rtol=2e-2, atol=tol)
+
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.parametrize("m", [2, 7, 16, 17, 33, 64])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (77, 300), (4096, 14336)])
+def test_fp8_rows_match_the_w8a8_product_for_every_candidate(m, n, k):
+    """rows_fp8 (2..64 rows, FP8 or fp16 dots) against kernels/fp8_ops.fp8_linear
+    (torch._scaled_mm) on the same quantized operands, every candidate config; repeatable."""
+    pytest.importorskip("triton")
+    if not _fp8_gpu():
+        pytest.skip("needs FP8 tensor cores")
+    from bucketserve.kernels import triton_gemv
+    from bucketserve.kernels.fp8 import quantize_fp8_per_channel
+    from bucketserve.kernels.fp8_ops import fp8_linear, quantize_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(m * n + k)
+    w, ws = quantize_fp8_per_channel(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+    q, s = quantize_rows(torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16))
+    # the W8A8 product in float32 (torch._scaled_mm itself needs K divisible by 16)
+    ref = (q.float() * s) @ (w.float() * ws[:, None]).t()
+    if k % 16 == 0:
+        torch.testing.assert_close(fp8_linear((q, s), w, ws, None, torch.float32), ref,
+                                   rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+    scale = ref.abs().max().item()
+    for cfg in triton_gemv.ROW_CANDIDATES:
+        y = triton_gemv.rows_fp8(q, s, w, ws, torch.float32, config=cfg)
+        assert y.shape == (m, n)
+        err = (y - ref).abs().max().item()
+        # 1e-3 of the largest output: Hopper's FP8 MMA adds within a tile with fewer bits than
+        # fp32 (measured up to 1.6e-4); the projections' bf16 outputs round at 4e-3
+        assert err <= 1e-3 * scale + 1e-6, (cfg, err, scale)
+        assert torch.equal(triton_gemv.rows_fp8(q, s, w, ws, torch.float32, config=cfg), y), cfg
+
+
+def test_fp8_projections_take_the_rows_kernel_where_chosen():
+    """use_gemv on an FP8 model: "on" gives every FP8 projection a config per row band and a
+    decode step of 5 rows then equals the _scaled_mm path ("off") to bf16 rounding; "auto"
+    records a choice per band."""
+    pytest.importorskip("triton")
+    if not _fp8_gpu():
+        pytest.skip("needs FP8 tensor cores")
+    from bucketserve.kernels.triton_attention import TritonAttentionBackend
+    from bucketserve.models.llama import Fp8Linear
+    from bucketserve.models.loader import build_dummy_model
+
+    cfg, _ = _model(torch.bfloat16, tied=True)
+    model = build_dummy_model(cfg, "cuda", torch.bfloat16, attn_backend=TritonAttentionBackend(),
+                              seed=0, quantization="fp8")
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert fp8
+    x = torch.randn(5, fp8[0].weight.shape[1], device="cuda", dtype=torch.bfloat16)
+    model.use_gemv("off")
+    want = fp8[0](x)
+    model.use_gemv("on")
+    assert all(m.rows is not None for m in fp8)
+    torch.testing.assert_close(fp8[0](x).float(), want.float(), rtol=2e-2, atol=2e-2)
+    info = model.use_gemv("auto")
+    rows = [v for k, v in info.items() if k.endswith("(fp8, 2..64 rows)")]
+    assert rows and all("choice" in r for r in rows)

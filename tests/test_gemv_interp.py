@@ -88,3 +88,30 @@ def test_an_fp8_projection_with_a_gemv_config_runs_one_row_through_it():
         torch.testing.assert_close(one, want[:1], rtol=1e-4, atol=1e-4 * want.abs().max().item())
         torch.testing.assert_close(lin(x), want)  # three rows: not the GEMV
         assert spy.call_count == 1
+
+
+@pytest.mark.parametrize("m, n, k, config", [(3, 37, 300, (16, 256, 4, 4, 0)),
+                                             (16, 64, 512, (32, 128, 4, 4, 0)),
+                                             (21, 40, 256, (16, 256, 4, 3, 1)),
+                                             (64, 33, 128, (32, 128, 4, 3, 0))])
+def test_fp8_rows_match_the_w8a8_reference(m, n, k, config):
+    """rows_fp8 (2..64 FP8 rows with their scales, per-channel weight scales, fp16 or FP8
+    dots) equals the W8A8 product of kernels/fp8_ops.fp8_linear, for uneven K and N, and
+    refuses more rows than its largest band."""
+    from triton_interp import interpreted_triton
+
+    interpreted_triton()
+    from bucketserve.kernels import triton_gemv
+    from bucketserve.kernels.fp8 import quantize_fp8_per_channel
+    from bucketserve.kernels.fp8_ops import fp8_linear, quantize_rows_torch
+
+    gen = torch.Generator().manual_seed(m * n + k)
+    w, ws = quantize_fp8_per_channel(torch.randn(n, k, generator=gen) * 0.05)
+    q, s = quantize_rows_torch(torch.randn(m, k, generator=gen))
+    want = fp8_linear((q, s), w, ws, None, torch.float32)
+    got = triton_gemv.rows_fp8(q, s, w, ws, torch.float32, config=config)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    with pytest.raises(ValueError, match="rows"):
+        big, bs = quantize_rows_torch(torch.randn(65, k, generator=gen))
+        triton_gemv.rows_fp8(big, bs, w, ws, config=config)

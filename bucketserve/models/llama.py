@@ -173,6 +173,9 @@ class Fp8Linear(nn.Module):
         # CUDA: the kernels/triton_gemv.gemv_fp8 config for one-row inputs, set by
         # LlamaForCausalLM.use_gemv where it measured faster than torch._scaled_mm
         self.gemv: tuple[int, int, int, int] | None = None
+        # CUDA: rows_fp8 configs for 2..64 rows per row band (triton_gemv.row_band), set the
+        # same way; a band without one (None) stays on torch._scaled_mm
+        self.rows: dict[int, tuple | None] | None = None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -191,11 +194,19 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if isinstance(x, torch.Tensor):
             x = quantize_rows(x, self.input_scale)
-        if self.gemv is not None and x[0].shape[0] == 1:  # set only on bias-free projections
+        m = x[0].shape[0]
+        if self.gemv is not None and m == 1:  # set only on bias-free projections
             from bucketserve.kernels.triton_gemv import gemv_fp8
 
             return gemv_fp8(x[0], x[1], self.weight, self.weight_scale, self.out_dtype,
                             config=self.gemv)
+        if self.rows is not None and 1 < m <= 64:  # (also bias-free only)
+            from bucketserve.kernels.triton_gemv import row_band, rows_fp8
+
+            cfg = self.rows.get(row_band(m))
+            if cfg is not None:
+                return rows_fp8(x[0], x[1], self.weight, self.weight_scale, self.out_dtype,
+                                config=cfg)
         return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
 
 
@@ -652,6 +663,8 @@ class LlamaForCausalLM(nn.Module):
         fp8 = [m for m in self.modules() if isinstance(m, Fp8Linear) and m.bias is None]
         for m in linears + fp8:
             m.gemv = None
+        for m in fp8:
+            m.rows = None
         self._lm_head_gemv = None
         if mode == "off" or not w0.is_cuda or w0.dtype not in (torch.bfloat16, torch.float16):
             return {}
@@ -698,6 +711,25 @@ class LlamaForCausalLM(nn.Module):
             info[f"{shape[0]}x{shape[1]} (fp8)"] = row
             for m in mods:
                 m.gemv = cfg
+            # 2..64 rows (small decode batches): rows_fp8 per row band, the same way
+            if mode == "on":
+                bands = {b: triton_gemv.ROW_CANDIDATES[0] for b in triton_gemv.ROW_BANDS}
+                brow: dict = {"forced": True}
+            else:
+                try:
+                    chosen = triton_gemv.choose_fp8_rows([m.weight for m in mods],
+                                                         [m.weight_scale for m in mods])
+                    brow = {"bands": {b: r for b, (r, _) in chosen.items()}}
+                except Exception as e:  # noqa: BLE001 - as above
+                    log.warning("FP8 few-row measurement failed for %s weights (%r); "
+                                "_scaled_mm", shape, e)
+                    chosen, brow = {}, {"error": repr(e)[:200]}
+                bands = {b: cfg for b, (_, cfg) in chosen.items()}
+            won = [b for b, c in bands.items() if c is not None]
+            brow["choice"] = ("rows up to " + "/".join(map(str, won))) if won else "scaled_mm"
+            info[f"{shape[0]}x{shape[1]} (fp8, 2..64 rows)"] = brow
+            for m in mods:
+                m.rows = bands if any(c is not None for c in bands.values()) else None
         return info
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
