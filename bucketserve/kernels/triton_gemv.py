@@ -101,15 +101,21 @@ CANDIDATES = [(8, 512, 4, 2), (8, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4),
               (16, 512, 4, 3), (16, 1024, 8, 2), (16, 1024, 8, 3), (4, 1024, 4, 3)]
 
 
+def _one_row_operands(name: str, x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of a one-row product's weight [N, K]; ValueError unless the weight has unit
+    stride along K and the row is contiguous."""
+    k = x.shape[-1]
+    if weight.shape[1] != k or weight.stride(1) != 1 or not x.is_contiguous():
+        raise ValueError(f"{name} needs weight [N, {k}] with unit stride along K and a "
+                         f"contiguous row; got weight {tuple(weight.shape)} stride "
+                         f"{weight.stride()}")
+    return weight.shape[0], k
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
          config: tuple[int, int, int, int] = DEFAULT_CONFIG) -> torch.Tensor:
     """x [1, K] (or [K]), weight [N, K] with unit stride along K -> [1, N] in x's dtype."""
-    k = x.shape[-1]
-    n = weight.shape[0]
-    if weight.shape[1] != k or weight.stride(1) != 1 or not x.is_contiguous():
-        raise ValueError(f"gemv needs weight [N, {k}] with unit stride along K and a "
-                         f"contiguous x; got weight {tuple(weight.shape)} stride "
-                         f"{weight.stride()}")
+    n, k = _one_row_operands("gemv", x, weight)
     if x.numel() != k:
         raise ValueError(f"gemv takes one row; got x of shape {tuple(x.shape)}")
     if out is None:
@@ -129,12 +135,7 @@ def gemv_fp8(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
     scale [1, 1] (kernels/fp8_ops.quantize_rows) times weight [N, K] float8_e4m3fn with
     weight_scale [N] -> [1, N] out_dtype; (sum_k q_k w_nk) * scale * weight_scale_n, summed
     in float32 as torch._scaled_mm does (kernels/fp8_ops.fp8_linear)."""
-    k = q.shape[-1]
-    n = weight.shape[0]
-    if weight.shape[1] != k or weight.stride(1) != 1 or not q.is_contiguous():
-        raise ValueError(f"gemv_fp8 needs weight [N, {k}] with unit stride along K and a "
-                         f"contiguous q; got weight {tuple(weight.shape)} stride "
-                         f"{weight.stride()}")
+    n, k = _one_row_operands("gemv_fp8", q, weight)
     if q.numel() != k or scale.numel() != 1 or weight_scale.numel() != n:
         raise ValueError(f"gemv_fp8 takes one row, one row scale and {n} weight scales; got q "
                          f"{tuple(q.shape)}, scale {tuple(scale.shape)}, weight_scale "
