@@ -261,9 +261,10 @@ class LLMEngine:
         if queued is not None:
             # the previous call queued this step's forward; its sampling waited for the
             # in-flight step's tokens, which are resolved now, inside sample_queued
+            # (its faults fired when its forward was queued)
             batch, forward = queued
             step = self._launch(batch, results, lambda held: self.runner.sample_queued(
-                forward, held))
+                forward, held), needs_host_tokens=True, fire_faults=False)
             if step is not None:
                 self._after_launch(batch, step, results, t0)
             return results
@@ -288,15 +289,19 @@ class LLMEngine:
                 for seq in batch.finished]
 
     def _launch(self, batch, results: list[News],
-                launch: Callable[[Callable[[], None] | None], RunnerStep]) -> RunnerStep | None:
+                launch: Callable[[Callable[[], None] | None], RunnerStep],
+                needs_host_tokens: bool | None = None,
+                fire_faults: bool = True) -> RunnerStep | None:
         """Launches `batch` (`launch(before_sample)`: the whole step, or the sampling of a
         queued forward) and resolves the in-flight step: inside the launch, after the forward
         is queued and before the sampling, when this step's sampling reads the newest tokens
         on the host (a grammar's mask or a penalty: the host work overlaps the forward),
-        else after it. None: the step failed (its requests' news are in `results`)."""
+        else after it. `needs_host_tokens`: that test's answer where the caller has it (None:
+        asked here). None: the step failed (its requests' news are in `results`)."""
         prev, self._inflight = self._inflight, None
         held: list[RunnerStep] = []
-        if prev is not None and self._needs_host_tokens(batch):
+        if prev is not None and (self._needs_host_tokens(batch) if needs_host_tokens is None
+                                 else needs_host_tokens):
             held, prev = [prev], None
 
         def resolve_held() -> None:
@@ -304,9 +309,8 @@ class LLMEngine:
                 results.extend(self._resolve(held.pop()))
 
         try:
-            if self.faults is not None:
-                self.faults.fire("step", (s.token_ids[0] for s in batch.seqs))
-                self.faults.fire("oom", (s.token_ids[0] for s in batch.seqs))
+            if fire_faults:
+                self._fire_step_faults(batch)
             with self._nvtx(batch):
                 step = launch(resolve_held if held else None)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
@@ -352,7 +356,8 @@ class LLMEngine:
             return
         if not self._needs_host_tokens(nxt):  # nothing waits on the host: the whole step now
             t1 = time.perf_counter()
-            step = self._launch(nxt, results, lambda held: self.runner.launch(nxt, held))
+            step = self._launch(nxt, results, lambda held: self.runner.launch(nxt, held),
+                                needs_host_tokens=False)
             if step is not None:
                 self._after_launch(nxt, step, results, t1)
             # this call resolved two steps: a sequence of both has two entries, and the
@@ -361,13 +366,18 @@ class LLMEngine:
             results[:] = _once_per_sequence(results)
             return
         try:
-            if self.faults is not None:
-                self.faults.fire("step", (s.token_ids[0] for s in nxt.seqs))
-                self.faults.fire("oom", (s.token_ids[0] for s in nxt.seqs))
+            self._fire_step_faults(nxt)
             with self._nvtx(nxt):
                 self._queued = (nxt, self.runner.launch_forward(nxt))
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
             results += self._fail_step(nxt, exc)
+
+    def _fire_step_faults(self, batch) -> None:
+        """The injected faults of a step's model run (tests and benchmarks only), once per
+        step: where its forward is queued, not again at its sampling."""
+        if self.faults is not None:
+            self.faults.fire("step", (s.token_ids[0] for s in batch.seqs))
+            self.faults.fire("oom", (s.token_ids[0] for s in batch.seqs))
 
     def _resolve(self, step: RunnerStep) -> list[News]:
         """Hands a launched step's sampled tokens to the scheduler and the output processor.

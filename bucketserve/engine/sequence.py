@@ -167,11 +167,12 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         # What the sampler does for this row, read from `params` once here (the params of a
         # sequence never change) rather than from several fields of every row every step:
-        # argmax (greedy or top_k 1: no draw); argmax and nothing else but min_tokens (no
-        # logprobs, bias or penalties; a grammar is checked on its own, see `grammar`), and
-        # without min_tokens either (and no guided decoding); the sequence length below which
-        # min_tokens is active (0: never); logit processing (bias, min_tokens or a penalty)
-        # needed; a penalty, which reads the token history (LLMEngine._needs_host_tokens).
+        # sample_argmax: greedy or top_k 1 (no draw); argmax_only: greedy with no logprobs,
+        # bias or penalty (min_tokens and a grammar, which change over the sequence, are
+        # checked per step); sample_plain: argmax_only without min_tokens or guided decoding
+        # (the sampler's fast path); min_tokens_end: the length below which min_tokens is
+        # active (0: never); logit_processing: a bias, min_tokens or a penalty; penalised: a
+        # penalty, which reads the token history (LLMEngine._needs_host_tokens).
         p = params
         self.sample_argmax = p.greedy or p.top_k == 1
         self.penalised = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0

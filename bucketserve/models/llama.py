@@ -397,6 +397,20 @@ def _norm_into(proj: nn.Module, x: torch.Tensor, norm: RMSNorm,
     return rms_norm(x, norm.weight, norm.eps, residual=residual)
 
 
+def _measured(mode: str, forced, measure, what: str, shape: tuple[int, int]) -> tuple:
+    """use_gemv's choice for one weight shape: `forced` with mode "on", else `measure()`
+    ((choice, info)); a measurement that raises (e.g. a GPU Triton cannot compile for)
+    keeps the library's path: (None, {"error": ...})."""
+    if mode == "on":
+        return forced, {"forced": True}
+    try:
+        return measure()
+    except Exception as e:  # noqa: BLE001 - the library's path stays
+        log.warning("%s measurement failed for %s weights (%r); the library's path stays",
+                    what, shape, e)
+        return None, {"error": repr(e)[:200]}
+
+
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T]) -> hidden [T, H] (final norm applied); call it
     inside kernels.attention.forward_context(meta) after bind_kv_cache(kv).
@@ -678,14 +692,8 @@ class LlamaForCausalLM(nn.Module):
         info: dict[str, dict] = {}
         for shape, mods in [*groups.items(), (tuple(head.shape), None)]:
             weights = [m.weight for m in mods] if mods is not None else [head]
-            if mode == "on":
-                cfg, row = triton_gemv.DEFAULT_CONFIG, {"forced": True}
-            else:
-                try:
-                    cfg, row = triton_gemv.choose(weights)
-                except Exception as e:  # noqa: BLE001 - e.g. a GPU Triton cannot compile for
-                    log.warning("GEMV measurement failed for %s weights (%r); cuBLAS", shape, e)
-                    cfg, row = None, {"error": repr(e)[:200]}
+            cfg, row = _measured(mode, triton_gemv.DEFAULT_CONFIG,
+                                 lambda w=weights: triton_gemv.choose(w), "GEMV", shape)
             row["choice"] = "gemv" if cfg is not None else "cublas"
             info[f"{shape[0]}x{shape[1]}" + ("" if mods is not None else " (lm_head)")] = row
             if mods is None:
@@ -697,39 +705,30 @@ class LlamaForCausalLM(nn.Module):
         for m in fp8:
             fp8_groups.setdefault(tuple(m.weight.shape), []).append(m)
         for shape, mods in fp8_groups.items():
-            if mode == "on":
-                cfg, row = triton_gemv.DEFAULT_CONFIG, {"forced": True}
-            else:
-                try:
-                    cfg, row = triton_gemv.choose_fp8([m.weight for m in mods],
-                                                      [m.weight_scale for m in mods])
-                except Exception as e:  # noqa: BLE001 - e.g. a GPU Triton cannot compile for
-                    log.warning("FP8 GEMV measurement failed for %s weights (%r); _scaled_mm",
-                                shape, e)
-                    cfg, row = None, {"error": repr(e)[:200]}
+            ws, ss = [m.weight for m in mods], [m.weight_scale for m in mods]
+            cfg, row = _measured(mode, triton_gemv.DEFAULT_CONFIG,
+                                 lambda ws=ws, ss=ss: triton_gemv.choose_fp8(ws, ss), "FP8 GEMV",
+                                 shape)
             row["choice"] = "gemv" if cfg is not None else "scaled_mm"
             info[f"{shape[0]}x{shape[1]} (fp8)"] = row
             for m in mods:
                 m.gemv = cfg
             # 2..64 rows (small decode batches): rows_fp8 per row band, the same way
-            if mode == "on":
-                bands = {b: triton_gemv.ROW_CANDIDATES[0] for b in triton_gemv.ROW_BANDS}
-                brow: dict = {"forced": True}
-            else:
-                try:
-                    chosen = triton_gemv.choose_fp8_rows([m.weight for m in mods],
-                                                         [m.weight_scale for m in mods])
-                    brow = {"bands": {b: r for b, (r, _) in chosen.items()}}
-                except Exception as e:  # noqa: BLE001 - as above
-                    log.warning("FP8 few-row measurement failed for %s weights (%r); "
-                                "_scaled_mm", shape, e)
-                    chosen, brow = {}, {"error": repr(e)[:200]}
-                bands = {b: cfg for b, (_, cfg) in chosen.items()}
+
+            def rows_measured(ws=ws, ss=ss) -> tuple[dict, dict]:
+                chosen = triton_gemv.choose_fp8_rows(ws, ss)
+                return ({b: c for b, (_, c) in chosen.items()},
+                        {"bands": {b: r for b, (r, _) in chosen.items()}})
+
+            bands, brow = _measured(
+                mode, {b: triton_gemv.ROW_CANDIDATES[0] for b in triton_gemv.ROW_BANDS},
+                rows_measured, "FP8 few-row", shape)
+            bands = bands or {}
             won = [b for b, c in bands.items() if c is not None]
             brow["choice"] = ("rows up to " + "/".join(map(str, won))) if won else "scaled_mm"
             info[f"{shape[0]}x{shape[1]} (fp8, 2..64 rows)"] = brow
             for m in mods:
-                m.rows = bands if any(c is not None for c in bands.values()) else None
+                m.rows = bands if won else None
         return info
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
