@@ -9,6 +9,7 @@ device sets the pace). Measured on the same requests (1,024 by default: token-id
 16..1024 tokens log-uniform, max_tokens 16..256 uniform, EOS ignored, greedy, seed 0):
 
   offline  `LLMEngine.generate` on every request at once, in a child process: CPU s / steps;
+           also two parts of it per step: StepInputs.fill and Scheduler.schedule;
   served   `bucketserve serve` (engine core in its own process, --api-workers N) under
            `bucketserve bench` at --streams concurrent streams: the core process's CPU s
            (from /proc) / its steps (from /metrics). The fake device takes --served-step-s a
@@ -77,7 +78,19 @@ def offline_child(a: argparse.Namespace) -> None:
 
     reqs = generate(a.num_requests, a.prompt_len, a.output_len, seed=a.seed, prompt_kind="ids")
     engine = LLMEngine.from_names(a.model, buckets_path=a.buckets, device="cpu")
-    install(engine, a.step_s)
+    fake = install(engine, a.step_s)
+    # two parts of the host work, timed apart: StepInputs.fill (the fake runner's prepare)
+    # and Scheduler.schedule
+    sched, schedule = engine.scheduler, engine.scheduler.schedule
+    schedule_s = [0.0]
+
+    def timed_schedule():
+        t = time.perf_counter()
+        batch = schedule()
+        schedule_s[0] += time.perf_counter() - t
+        return batch
+
+    sched.schedule = timed_schedule
     prompts = [r.prompt for r in reqs]
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
                              detokenize=False) for r in reqs]
@@ -89,6 +102,7 @@ def offline_child(a: argparse.Namespace) -> None:
         prof = cProfile.Profile()
     s0, tok0 = engine.stats.num_steps, engine.stats.computed_tokens_total
     steps0 = dict(engine.stats.bucket_steps)
+    fake.step_timing["prepare_s"] = schedule_s[0] = 0.0
     c0, t0 = time.process_time(), time.perf_counter()
     if prof is not None:
         prof.enable()
@@ -104,7 +118,8 @@ def offline_child(a: argparse.Namespace) -> None:
         kinds[kind] = kinds.get(kind, 0) + n - steps0.get((kind, b), 0)
     print(json.dumps({"steps": steps, "wall_s": wall, "cpu_s": cpu, "output_tokens": ntok,
                       "computed_tokens": engine.stats.computed_tokens_total - tok0,
-                      "kinds": kinds}))
+                      "kinds": kinds, "fill_s": fake.step_timing["prepare_s"],
+                      "schedule_s": schedule_s[0]}))
 
 
 def run_offline(path: str, a: argparse.Namespace, buckets: str, profile: str | None,
@@ -118,8 +133,11 @@ def run_offline(path: str, a: argparse.Namespace, buckets: str, profile: str | N
     if p.returncode != 0:
         raise RuntimeError(f"offline run failed:\n{p.stderr[-3000:]}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    return summarize(r["steps"], r["cpu_s"], r["wall_s"], r["output_tokens"], r["computed_tokens"],
-                     r["kinds"])
+    out = summarize(r["steps"], r["cpu_s"], r["wall_s"], r["output_tokens"], r["computed_tokens"],
+                    r["kinds"])
+    out["fill_us_per_step"] = 1e6 * r["fill_s"] / r["steps"]
+    out["schedule_us_per_step"] = 1e6 * r["schedule_s"] / r["steps"]
+    return out
 
 
 def summarize(steps: int, cpu_s: float, wall_s: float, out_tokens: float,
@@ -295,6 +313,9 @@ def main() -> int:
                              f" us/step, other threads "
                              f"{1e6 * r['core_other_threads_cpu_s'] / r['steps']:.0f}"
                              if "core_main_thread_cpu_s" in r else "")
+                    if "fill_us_per_step" in r:
+                        extra += (f"  (fill {r['fill_us_per_step']:.0f}, schedule "
+                                  f"{r['schedule_us_per_step']:.0f} us/step)")
                     extra += f"  {r['steps_by_kind']}"
                     print(f"round {rnd} {name:>8} {kind:>10}: {r['host_us_per_step']:7.0f} host "
                           f"us/step  {r['host_us_per_token']:5.2f} us/token  "
@@ -319,7 +340,10 @@ def main() -> int:
                              "host_us_per_token_median": statistics.median(
                                  r["host_us_per_token"] for r in rs),
                              "mean_tokens_per_step": statistics.median(
-                                 r["mean_tokens_per_step"] for r in rs)}
+                                 r["mean_tokens_per_step"] for r in rs),
+                             **{f"{part}_us_per_step_median": statistics.median(
+                                 r[f"{part}_us_per_step"] for r in rs)
+                                for part in ("fill", "schedule") if f"{part}_us_per_step" in rs[0]}}
                          for k, rs in kinds.items()}
         off = summary[name].get("offline", {}).get("host_us_per_step_median")
         dev = summary[name].get("offline_dev", {}).get("host_us_per_step_median")

@@ -175,6 +175,36 @@ def test_block_table_rows_follow_growth_and_replacement():
         assert inp.tables[i, :len(s.block_table)].tolist() == s.block_table
 
 
+def test_block_table_rows_that_move_keep_their_tables():
+    """Sequences leave the batch and the rows after them move up (copied within the buffer,
+    not rewritten); at the same time a moved table grows, another row's table is replaced,
+    a new sequence comes in among them and a row moves down. Every row holds its own
+    table's pages after each step, with stale entries behind them."""
+    rng = random.Random(6)
+    inp = StepInputs(max_tokens=256, max_seqs=32, max_blocks=64, block_size=BS,
+                     device=torch.device("cpu"))
+    seqs = make_batch(rng, 24, []).seqs
+
+    def step(rows):
+        inp.fill(ScheduledBatch(rows, [1] * len(rows), len(rows), "decode", 0, 0, len(rows)))
+        for i, s in enumerate(rows):
+            assert inp.tables[i, :len(s.block_table)].tolist() == s.block_table, i
+
+    step(seqs)
+    rows = [s for i, s in enumerate(seqs) if i not in (2, 3, 9, 17)]  # four leave
+    step(rows)
+    rows[5].block_table.append(1999)  # moved and grew
+    rows[12].block_table = [11, 12, 13]  # replaced
+    step(rows)
+    rows.insert(8, make_batch(rng, 1, []).seqs[0])  # a newcomer: the rows after it move down
+    step(rows)
+    del rows[0]
+    rows.insert(8, make_batch(rng, 1, []).seqs[0])  # up before it, in place after it
+    step(rows)
+    step(rows[::-1])  # every row moves
+    step(rows[1:])
+
+
 def test_one_token_prompt_chunk_is_not_sampled():
     """A prompt chunk of one token counts as a decode (one new token) but must not sample."""
     rng = random.Random(3)

@@ -80,6 +80,8 @@ class StepPlan:
 
 
 _NO_TABLE: tuple[None, int] = (None, -1)
+# StepInputs._fill_tables: how many rows further down a moved table is looked for
+_MOVE_PROBE = 8
 
 
 class StepInputs:
@@ -138,28 +140,15 @@ class StepInputs:
         ntok = nd + sum(counts[nd:])
         if ntok > self.max_tokens:
             raise ValueError(f"step has {ntok} tokens; buffers hold {self.max_tokens}")
-        # Block tables first (the decode slots are read from them below). A row's entries
-        # past its own pages are never read (kernels read the ceil(seq_len / block_size)
-        # pages a sequence owns), so they may hold stale ids. A row is rewritten only when
-        # it holds another table than last step or the table grew (decode steps mostly
-        # repeat the previous batch).
-        t, cached, max_blocks = self.tables, self._row_tables, self.max_blocks
-        for i, seq in enumerate(seqs):
-            tab = seq.block_table
-            c = cached[i]
-            if c[0] is not tab or c[1] != len(tab):
-                if len(tab) > max_blocks:
-                    raise ValueError(f"step needs {len(tab)} blocks for a row; buffers hold "
-                                     f"{max_blocks}")
-                t[i, :len(tab)] = tab
-                cached[i] = (tab, len(tab))
+        self._fill_tables(seqs)  # first: the decode slots are read from them below
+        t = self.tables
         ph_rows: list[int] = []
         ph_src: list[int] = []
+        lag: list[int] = []  # decode rows that do not sample (a one-token chunk mid-prompt)
         starts = [s.num_computed_tokens for s in seqs]
         pure_decode = 0 < nd == n  # (a decode row is one new token: ScheduledBatch)
         # decodes (rows 0..nd-1): one token each at position start; a row samples when it
         # then covers every token of its sequence (pending ones included)
-        caught_up = True
         if nd:
             ids = [0] * nd
             for r, seq, p in zip(range(nd), seqs, starts, strict=False):  # the first nd rows
@@ -170,7 +159,7 @@ class StepInputs:
                 else:  # sampled by the previous step, not on the host yet
                     ph_rows.append(r)
                 if p + 1 != k + seq.num_pending:
-                    caught_up = False
+                    lag.append(r)
             all_pending = len(ph_rows) == nd  # (overlapped decoding, the usual step)
             if ph_rows:
                 prev = pending_index if pending_index is not None else {}
@@ -188,6 +177,14 @@ class StepInputs:
             self.pos[:nd] = dpos
             rows = self._arange[:nd]
             np.add(t[rows, dpos // bs] * bs, dpos % bs, out=self.slots[:nd])
+        # rows to sample: sequences whose every token (pending ones included) is computed;
+        # a decode row i is token row i. `first_rows`: they are token rows 0..k-1
+        first_rows = not lag
+        if lag:
+            skip = set(lag)
+            sample_rows = [r for r in range(nd) if r not in skip]
+        else:
+            sample_rows = list(range(nd))
         if pure_decode:  # one token a row: lengths start + 1, query starts 0..n
             lens = dpos + 1
             self.seq_lens[:n] = lens
@@ -195,44 +192,87 @@ class StepInputs:
             self.qsl[:n + 1] = self._arange[:n + 1]
         else:
             seq_lens = [p + c for p, c in zip(starts, counts, strict=True)]
+        sample_seqs = list(sample_rows)
         # prefills: ranges of tokens (always known on the host: only a sequence that has
         # sampled has a pending token, and it is then a decode)
         cursor = nd
         for i in range(nd, n):
             seq, start, c = seqs[i], starts[i], counts[i]
             end = start + c
-            if end > len(seq.token_ids):
+            toks = seq.token_ids
+            if end > len(toks):
                 raise ValueError(f"{seq.request_id}: a prefill chunk reaches a token still "
                                  "on the device")
             pos = np.arange(start, end, dtype=np.int64)
-            self.ids[cursor:cursor + c] = seq.token_ids[start:end]
+            self.ids[cursor:cursor + c] = toks[start:end]
             self.pos[cursor:cursor + c] = pos
             self.slots[cursor:cursor + c] = t[i, pos // bs] * bs + pos % bs
             cursor += c
+            if end == len(toks) + seq.num_pending:
+                first_rows = False  # (a prefill row has two tokens or more)
+                sample_rows.append(cursor - 1)
+                sample_seqs.append(i)
         if not pure_decode:
             self.seq_lens[:n] = seq_lens
             self.qsl[0] = 0
             np.cumsum(counts, out=self.qsl[1:n + 1])
-        # rows to sample: sequences whose every token (pending ones included) is computed
-        every_row = pure_decode and caught_up
-        if every_row:
-            sample_rows, sample_seqs = list(range(n)), list(range(n))
-        else:
-            sample_rows, sample_seqs = [], []
-            qsl = self.qsl
-            for i in range(n):
-                seq = seqs[i]
-                if seq_lens[i] == len(seq.token_ids) + seq.num_pending:
-                    sample_rows.append(int(qsl[i + 1]) - 1)
-                    sample_seqs.append(i)
         k = len(sample_rows)
-        self.h_sample_rows.numpy()[:k] = self._arange[:k] if every_row else sample_rows
+        self.h_sample_rows.numpy()[:k] = self._arange[:k] if first_rows else sample_rows
         if ph_rows:
             self.h_ph_rows.numpy()[:len(ph_rows)] = (self._arange[:nd] if len(ph_rows) == nd
                                                      else ph_rows)
             self.h_ph_src.numpy()[:len(ph_src)] = ph_src
         return StepPlan(n, nd, ntok, seq_lens, list(counts), sample_rows, sample_seqs,
                         ph_rows, ph_src)
+
+    def _fill_tables(self, seqs: list[Sequence]) -> None:
+        """Block tables of the batch rows. A row's entries past its own pages are never read
+        (kernels read the ceil(seq_len / block_size) pages a sequence owns), so they may hold
+        stale ids. A row is written only when it holds another table than last step or the
+        table grew: decode steps mostly repeat the previous batch. When sequences leave,
+        the rows after them move up unchanged: such a run of rows is copied within the
+        buffer in one slice, not rewritten from its lists."""
+        t, cached, max_blocks = self.tables, self._row_tables, self.max_blocks
+        top = len(cached)
+        # the pending run of moved rows: rows [lo, hi) <- rows [lo + shift, hi + shift),
+        # columns [0, width)
+        lo = hi = shift = width = 0
+        for i, seq in enumerate(seqs):
+            tab = seq.block_table
+            c = cached[i]
+            size = len(tab)
+            if c[0] is tab and c[1] == size:
+                continue
+            if size > max_blocks:
+                raise ValueError(f"step needs {size} blocks for a row; buffers hold "
+                                 f"{max_blocks}")
+            # the table unchanged in a later row (rows are rewritten in increasing order, so
+            # a later row still holds what `cached` says): the current run's shift first,
+            # then the next few rows (a step loses few sequences)
+            j = i + shift
+            if not (shift and j < top and cached[j][0] is tab):
+                j = 0
+                for k in range(i + 1, min(i + _MOVE_PROBE + 1, top)):
+                    if cached[k][0] is tab:
+                        j = k
+                        break
+            if j and cached[j][1] == size:
+                if hi == i and j - i == shift:
+                    hi = i + 1
+                    if size > width:
+                        width = size
+                else:
+                    if hi > lo:
+                        t[lo:hi, :width] = t[lo + shift:hi + shift, :width]
+                    lo, hi, shift, width = i, i + 1, j - i, size
+            else:
+                if hi > lo:  # (its source rows may include this one)
+                    t[lo:hi, :width] = t[lo + shift:hi + shift, :width]
+                    lo = hi = 0
+                t[i, :size] = tab
+            cached[i] = (tab, size)
+        if hi > lo:
+            t[lo:hi, :width] = t[lo + shift:hi + shift, :width]
 
     def to_device(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input ids, positions, attention metadata) on the device: non-blocking copies of

@@ -143,7 +143,13 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         left = self._drop_aborted_and_expired()
         budget = self.max_batched_tokens
-        chosen: dict[int, int] = {}  # id(seq) -> new tokens
+        # the batch, built in the running loop (rank order): decodes (one new token), then
+        # prefill chunks; `useful`: tokens whose K/V is computed for the first time (not
+        # recomputed after a preemption)
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        prefill_new: list[int] = []
+        useful = 0
         preempted = 0
 
         running_status = SequenceStatus.RUNNING
@@ -162,27 +168,46 @@ class Scheduler:
             computed = seq.num_computed_tokens
             n = total - computed
             if n == 1 and computed < len(seq.block_table) * bs:
-                chosen[id(seq)] = 1  # a decode in its last block: nothing to allocate
+                decodes.append(seq)  # a decode in its last block: nothing to allocate
+                if computed >= seq.num_ever_computed:
+                    useful += computed + 1 - seq.num_ever_computed
                 budget -= 1
                 continue
             n = min(n, budget, self.max_prefill_tokens)
             while not self.blocks.can_allocate(seq, n):
+                # the lowest-ranked running sequence: never one chosen before in this loop
+                # (it goes in rank order), possibly this one
                 victim = self.running[-1]
                 self._preempt(victim)
-                budget += chosen.pop(id(victim), 0)
                 preempted += 1
                 if victim is seq:
                     break
             if seq.status is not running_status:
                 continue
             self.blocks.allocate(seq, n)
-            chosen[id(seq)] = n
+            if n == 1:
+                decodes.append(seq)
+            else:
+                prefills.append(seq)
+                prefill_new.append(n)
+            u = computed + n - seq.num_ever_computed
+            if u > 0:
+                useful += u
             budget -= n
 
         if not preempted:
-            budget = self._admit(chosen, budget)
+            useful += self._admit(decodes, prefills, prefill_new, budget)
 
-        return self._build_batch(chosen, preempted, left)
+        nd = len(decodes)
+        if prefills:
+            longest = max(prefill_new)
+            bucket = self.prefill_buckets.lookup(longest) or longest
+            kind = "mixed" if decodes else "prefill"
+        else:
+            bucket = self.decode_buckets.lookup(nd) or nd
+            kind = "decode"
+        return ScheduledBatch(decodes + prefills, [1] * nd + prefill_new, nd, kind, bucket,
+                              preempted, useful, left)
 
     def _drop_aborted_and_expired(self) -> list[Sequence]:
         left: list[Sequence] = []
@@ -211,9 +236,12 @@ class Scheduler:
         seq.num_preemptions += 1
         self.add(seq)
 
-    def _admit(self, chosen: dict[int, int], budget: int) -> int:
+    def _admit(self, decodes: list[Sequence], prefills: list[Sequence], prefill_new: list[int],
+               budget: int) -> int:
+        """Admits waiting sequences into the step's lists (each at its rank among the running
+        ones: a higher-priority arrival may rank before them); returns their new tokens."""
         bucket: int | None = None
-        admitted: list[Sequence] = []
+        admitted: list[tuple[Sequence, int]] = []
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(admitted) >= self.max_running:
                 break
@@ -232,50 +260,29 @@ class Scheduler:
             if not self.blocks.can_allocate(seq, n, prefix):
                 break  # admission keeps rank order: nobody jumps a head that does not fit
             self.blocks.allocate(seq, n, prefix)
-            chosen[id(seq)] = n
             budget -= n
             bucket = seq_bucket
-            admitted.append(seq)
+            admitted.append((seq, n))
         now = time.monotonic()
-        for seq in admitted:
+        useful = 0
+        rank = self.rank
+        for seq, n in admitted:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
                 seq.prefill_bucket = bucket
-            bisect.insort_right(self.running, seq, key=self.rank)
-        return budget
-
-    def _build_batch(self, chosen: dict[int, int], preempted: int, left: list[Sequence]) -> ScheduledBatch:
-        decodes: list[Sequence] = []
-        prefills: list[Sequence] = []
-        prefill_new: list[int] = []
-        # A token is useful the first time its K/V is computed; recomputation after a
-        # preemption is work done twice.
-        useful = 0
-        get = chosen.get
-        for seq in self.running:
-            n = get(id(seq))
-            if n is None:
-                continue
-            if n == 1:
-                decodes.append(seq)
+            bisect.insort_right(self.running, seq, key=rank)
+            if n == 1:  # (a prompt whose rest is one token: a decode row)
+                decodes.insert(bisect.bisect_right(decodes, rank(seq), key=rank), seq)
             else:
-                prefills.append(seq)
-                prefill_new.append(n)
+                i = bisect.bisect_right(prefills, rank(seq), key=rank)
+                prefills.insert(i, seq)
+                prefill_new.insert(i, n)
             u = seq.num_computed_tokens + n - seq.num_ever_computed
             if u > 0:
                 useful += u
-        nd = len(decodes)
-        if prefills:
-            longest = max(prefill_new)
-            bucket = self.prefill_buckets.lookup(longest) or longest
-            kind = "mixed" if decodes else "prefill"
-        else:
-            bucket = self.decode_buckets.lookup(nd) or nd
-            kind = "decode"
-        return ScheduledBatch(decodes + prefills, [1] * nd + prefill_new, nd, kind, bucket,
-                              preempted, useful, left)
+        return useful
 
     def on_launched(self, batch: ScheduledBatch, samples: list[int]) -> None:
         """The runner has taken the step: its tokens count as computed, and the sequences at
