@@ -39,6 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "bench" / "data" / "fp8_eval_text.txt"
 CONFIGS = [("bf16", "none", "auto"), ("fp8 weights", "fp8", "auto"),
            ("fp8 KV", "none", "fp8"), ("fp8 weights + KV", "fp8", "fp8")]
+# --fp8-fast-accum: the FP8-weight configurations again with kernels/fp8_ops.FAST_ACCUM
+FAST_CONFIGS = [("fp8 weights, fast accumulation", "fp8", "auto"),
+                ("fp8 weights + KV, fast accumulation", "fp8", "fp8")]
 CHUNK = 512
 BLOCK = 16
 
@@ -102,7 +105,11 @@ def main() -> None:
     ap.add_argument("--configs", type=int, default=len(CONFIGS),
                     help="the first N configurations (1: bf16 only, e.g. a CPU smoke run)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--fp8-fast-accum", action="store_true",
+                    help="also the FP8-weight configurations with torch._scaled_mm's "
+                         "use_fast_accum (kernels/fp8_ops.FAST_ACCUM)")
     args = ap.parse_args()
+    from bucketserve.kernels import fp8_ops
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "none"
     res: dict = {"env": {"torch": torch.__version__, "gpu": gpu,
                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -111,13 +118,16 @@ def main() -> None:
     tmp = tempfile.mkdtemp()
     ref_tokens = None
     ids = prompts = None
-    for label, quantization, kv in CONFIGS[:args.configs]:
+    configs = CONFIGS[:args.configs] + (FAST_CONFIGS if args.fp8_fast_accum else [])
+    for label, quantization, kv in configs:
+        fp8_ops.FAST_ACCUM = "fast accumulation" in label
         engine = make_engine(args.model, quantization, kv, tmp, args.device)
         if ids is None:
             ids = engine.tokenizer.encode(TEXT.read_text())
             prompts = prompts_from(ids)
         row = {"config": label, "quantization": quantization, "kv_cache_dtype": kv,
-               "plan": engine.quant.describe(), **perplexity(engine, ids)}
+               "plan": engine.quant.describe(), "fp8_fast_accum": fp8_ops.FAST_ACCUM,
+               **perplexity(engine, ids)}
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         outs = [o.token_ids for o in engine.generate(prompts, params)]
         if ref_tokens is None:

@@ -478,7 +478,13 @@ def main() -> None:
     ap.add_argument("--no-fp8-rows", action="store_true",
                     help="FP8 projections of 2..64 rows stay on torch._scaled_mm "
                          "(no triton_gemv.rows_fp8)")
+    ap.add_argument("--fp8-fast-accum", action="store_true",
+                    help="FP8 GEMMs with torch._scaled_mm's use_fast_accum "
+                         "(kernels/fp8_ops.FAST_ACCUM)")
     args = ap.parse_args()
+    if args.fp8_fast_accum:
+        from bucketserve.kernels import fp8_ops
+        fp8_ops.FAST_ACCUM = True
     if args.no_fp8_rows:
         from bucketserve.kernels import triton_gemv
         triton_gemv.ROW_BANDS = ()
@@ -500,7 +506,7 @@ def main() -> None:
     RES["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                   "argv": sys.argv[1:], "blas": args.blas or "default",
                   "fp8_decode": args.fp8_decode or "default",
-                  "fp8_rows": not args.no_fp8_rows}
+                  "fp8_rows": not args.no_fp8_rows, "fp8_fast_accum": args.fp8_fast_accum}
     bw = gt.copy_bandwidth_gbs()
     RES["env"]["copy_bw_gbs"] = bw
 

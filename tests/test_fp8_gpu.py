@@ -91,6 +91,27 @@ def test_scaled_gemm_matches_dequantized_reference(t, n, k):
     assert (out.float() - exact).norm() / exact.norm() < 0.05
 
 
+@pytest.mark.parametrize("t, n, k", [(1, 6144, 4096), (2048, 576, 1536), (512, 14336, 4096)])
+def test_scaled_gemm_with_fast_accumulation_stays_close(t, n, k, monkeypatch):
+    """fp8_ops.FAST_ACCUM (torch._scaled_mm's use_fast_accum): the product of the same FP8
+    operands close to the float32-accumulated one (it prints the error: the default is to
+    be chosen from it and from the speed)."""
+    from bucketserve.kernels import fp8_ops
+
+    gen = torch.Generator(device="cuda").manual_seed(k + n)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    wq, ws = quantize_fp8_per_channel(w)
+    xq = quantize_rows(x)
+    exact = fp8_linear(xq, wq, ws, None, torch.bfloat16).float()
+    monkeypatch.setattr(fp8_ops, "FAST_ACCUM", True)
+    fast = fp8_linear(xq, wq, ws, None, torch.bfloat16).float()
+    # (the narrower accumulator's error grows with K: a correct product stays far below this
+    # bound, a wrong one (another scale, another layout) is of order 1)
+    print(f"fast accumulation, {t}x{n}x{k}: relative error {(fast - exact).norm() / exact.norm():.2e}")
+    assert (fast - exact).norm() / exact.norm() < 2e-2
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from test_engine_gpu import word_tokenizer

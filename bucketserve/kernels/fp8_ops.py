@@ -22,6 +22,14 @@ from bucketserve.kernels.triton_ops import rms_norm_torch, silu_and_mul_torch
 
 Quantized = tuple[torch.Tensor, torch.Tensor]  # (q [T, N] fp8, scale [T, 1] float32)
 
+# torch._scaled_mm's use_fast_accum: Hopper's FP8 tensor cores then keep their own (narrower
+# than float32) accumulator over the whole K loop instead of adding each K tile's sum into
+# float32, which is faster where the GEMM is compute-bound (prefill, mixed and large decode
+# steps) and less exact. Off: the FP8 GEMMs accumulate in float32. An experiment for now
+# (bench/gpu_8b.py --fp8-fast-accum sets it before the engine is built; the CUDA graphs keep
+# what was set at capture): speed and accuracy measured on the H200 decide the default.
+FAST_ACCUM = False
+
 
 def quantize_rows_torch(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> Quantized:
     xf = x.float()
@@ -72,7 +80,7 @@ def fp8_linear(x: Quantized, weight: torch.Tensor, weight_scale: torch.Tensor,
     q, s = x
     if q.is_cuda:
         out = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.view(1, -1),
-                               out_dtype=out_dtype)
+                               out_dtype=out_dtype, use_fast_accum=FAST_ACCUM)
     else:
         out = ((q.float() * s) @ (weight.float() * weight_scale.view(-1, 1)).t()).to(out_dtype)
     return out if bias is None else out + bias
