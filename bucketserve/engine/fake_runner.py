@@ -39,10 +39,7 @@ class _FakeStep(RunnerStep):
             wait = self._ready_at - time.perf_counter()
             if wait > 0:
                 time.sleep(wait)
-            sampled: list[int | None] = [None] * len(self.batch.seqs)
-            for i, tok in zip(self.sample_seqs, self._ids, strict=True):
-                sampled[i] = tok
-            self._output = RunnerOutput(sampled, [None] * len(sampled), 0)
+            self._output = RunnerOutput(self.sample_seqs, self._ids)
         return self._output
 
 

@@ -391,14 +391,13 @@ class LLMEngine:
         results: list[News] = []
         seqs = step.batch.seqs
         faults = self.faults
-        sampled, logprobs = out.sampled, out.logprobs
+        logprobs = out.logprobs
         on_sampled, on_text = self.scheduler.on_sampled, self.outputs.on_text
         now = time.monotonic()
-        for i in step.sample_seqs:
+        for j, (i, token) in enumerate(zip(out.seqs, out.ids, strict=True)):
             seq = seqs[i]
             if seq.status is FINISHED:
                 continue
-            token = sampled[i]
             finished = on_sampled(seq, token)
             grammar = seq.grammar
             if grammar is not None and not finished:
@@ -413,9 +412,8 @@ class LLMEngine:
                     finished = True
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            lp = logprobs[i]
-            if lp is not None:
-                seq.logprobs.append(lp)
+            if logprobs is not None and logprobs[j] is not None:
+                seq.logprobs.append(logprobs[j])
             if seq.params.detokenize:  # text and stop strings (else: the front end's)
                 try:
                     if faults is not None:

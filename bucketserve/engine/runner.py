@@ -51,8 +51,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RunnerOutput:
-    sampled: list[int | None]  # per batch sequence; None while still in its prompt
-    logprobs: list[TokenLogprob | None]
+    """A step's sampled tokens: `ids[j]` is the token of batch sequence `seqs[j]` (the ones
+    that sampled, in batch order), `logprobs[j]` its logprobs (None: the step asked none)."""
+
+    seqs: list[int]
+    ids: list[int]
+    logprobs: list[TokenLogprob | None] | None = None
     # rows the forward computed beyond the step's tokens: a decode graph's dummy rows, a
     # piecewise graph's padding to its token count (0 on the eager path)
     num_padding: int = 0
@@ -345,9 +349,7 @@ class RunnerStep:
 
     def result(self) -> RunnerOutput:
         if self._output is None:
-            n = len(self.batch.seqs)
-            sampled: list[int | None] = [None] * n
-            logprobs: list[TokenLogprob | None] = [None] * n
+            ids: list[int] = []
             if self.sample_seqs:
                 if self._ready is not None:
                     t0 = time.perf_counter()
@@ -357,12 +359,7 @@ class RunnerStep:
                     ids = self._host[:len(self.sample_seqs)].tolist()
                 else:
                     ids = self.tokens.tolist()
-                for i, tok in zip(self.sample_seqs, ids, strict=True):
-                    sampled[i] = tok
-                if self._logprobs is not None:
-                    for i, lp in zip(self.sample_seqs, self._logprobs, strict=True):
-                        logprobs[i] = lp
-            self._output = RunnerOutput(sampled, logprobs, self.num_padding)
+            self._output = RunnerOutput(self.sample_seqs, ids, self._logprobs, self.num_padding)
             self._host = None
         return self._output
 
