@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The H200 measurements issues 28 and 30 still wait for, in parts of under 10 minutes each.
+#
+# Built here first: `bash bench/gpu_assets.sh REV` (REV: the "A" of the A/B, the code before
+# the change being measured). Each part is one device call from the repository root, with
+# carry [".gpuassets"] (and, for accuracy, one ".gpuparts/gN" per call: see gpu_setup.sh):
+#
+#   PART=tests      bash bench/h200_pending.sh   # GPU tests of the FP8, GEMV, kernels, graphs,
+#                                                # engine and structured-output files (~3 min)
+#   PART=structured bash bench/h200_pending.sh   # issue 30 must-show 3: bench/structured_gpu.py,
+#                                                # A = .gpuassets/old, B = the tree, A B B A (~6 min)
+#   PART=fp8        bash bench/h200_pending.sh   # issue 28 must-show 2: 8B offline, bf16 graphs,
+#                                                # FP8 weights + KV, and the same with
+#                                                # --fp8-fast-accum (~8 min)
+#   PART=accuracy   bash bench/h200_pending.sh   # issue 28 must-show 1 with fast accumulation
+#                                                # (needs the joined GGUF: gguf_piece 0, 1, 2)
+#
+# Results go to $OUT/<part>/ and a tarball $OUT/<part>.tgz (the device tool returns at most
+# 8 files). REPEATS (3) and the parts' timeouts can be set in the environment.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/gpu_setup.sh || exit 1
+PART=${PART:?set PART to tests, structured, fp8 or accuracy}
+O=$OUT/$PART
+mkdir -p "$O"
+machine | tee "$O/machine.txt"
+REPEATS=${REPEATS:-3}
+
+case $PART in
+tests)
+  timeout "${T_TESTS:-400}" python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+    tests/test_fp8_gpu.py tests/test_gemv_gpu.py tests/test_kernels_gpu.py \
+    tests/test_cuda_graphs_gpu.py tests/test_mixed_graphs.py tests/test_piecewise_graphs.py \
+    tests/test_engine_gpu.py tests/test_prefix_caching_gpu.py \
+    tests/test_structured_gpu.py > "$O/pytest.log" 2>&1
+  grep -h "fast accumulation" "$O/pytest.log"
+  tail -3 "$O/pytest.log"
+  ;;
+structured)
+  M=/tmp/model-llama-1b
+  [ -d $M ] || python3 bench/make_random_model.py --shape llama-1b --tok "$TOK" --out $M \
+    --device cuda > "$O/make.log" 2>&1 || { tail "$O/make.log"; exit 1; }
+  printf '[kv_cache]\nprefix_caching = false\n' > /tmp/ours.toml
+  one() {  # tag code
+    echo "== $1 $(date +%T) $(which_package "$2")"
+    (cd /tmp && PYTHONPATH=$2:/tmp/site timeout "${T_RUN:-150}" python3 "$R/bench/structured_gpu.py" \
+      --repeats "$REPEATS" --out "$O/structured_$1.json" --base-url http://127.0.0.1:8200 \
+      --server-cmd "python3 -m bucketserve.server.cli serve --model $M --embedding-model none \
+      --device cuda --port 8200 --buckets /tmp/ours.toml" > "$O/server_$1.log" 2>&1)
+    grep -h "tok_s_ratio\|^plain:\|core loop" "$O/server_$1.log" | cut -c1-300
+  }
+  one A1 "$OLD"; one B1 "$R"; one B2 "$R"; one A2 "$OLD"
+  ;;
+fp8)
+  for m in graphs fp8kv fp8kv_fast; do
+    mode=${m%_fast}; extra=""
+    [ "$m" = fp8kv_fast ] && extra=--fp8-fast-accum
+    echo "== $m $(date +%T)"
+    timeout "${T_RUN:-160}" python3 bench/gpu_8b.py --out "$O/$m" --modes $mode --requests 256,1024 \
+      --repeats "$REPEATS" --batches 256 $extra > "$O/$m.log" 2>&1
+    grep -h "^llama-8b\|^decode" "$O/$m.log"
+  done
+  ;;
+accuracy)
+  [ -f "$GGUF" ] || { echo "no $GGUF: carry .gpuparts/g0, g1, g2 in turn and run gguf_piece N"; exit 1; }
+  timeout "${T_RUN:-500}" python3 bench/fp8_accuracy_gpu.py --out "$O" --model "$GGUF" \
+    --fp8-fast-accum > "$O/accuracy.log" 2>&1
+  grep -h '"config"' "$O/accuracy.log" | cut -c1-240
+  ;;
+*)
+  echo "unknown PART=$PART"; exit 2 ;;
+esac
+(cd "$OUT" && tar czf "/tmp/$PART.tgz" "$PART" && mv "/tmp/$PART.tgz" "$OUT/")
