@@ -635,7 +635,7 @@ class ModelRunner:
         h = hidden[:k] if rows is None else hidden.index_select(0, rows)
         logits = self.model.compute_logits(h)
         seqs = batch.seqs
-        sampled_seqs = [seqs[i] for i in plan.sample_seqs]
+        sampled_seqs = seqs if k == len(seqs) else [seqs[i] for i in plan.sample_seqs]
         tokens, logprobs = self.sampler.sample(logits, sampled_seqs)
         host = ready = None
         if self._token_events:  # CUDA: start the copy to the host now, wait for it later
@@ -645,6 +645,6 @@ class ModelRunner:
             host[:k].copy_(tokens, non_blocking=True)
             ready.record()
         self._last_tokens = tokens
-        self._last_index = {s: j for j, s in enumerate(sampled_seqs)}
+        self._last_index = dict(zip(sampled_seqs, range(k), strict=True))
         return RunnerStep(batch, padding, plan.sample_seqs, tokens, host, ready, logprobs,
                           self.step_timing)

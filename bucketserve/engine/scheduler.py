@@ -289,7 +289,11 @@ class Scheduler:
         batch indices `samples` each owe one sampled token (num_pending)."""
         finished_status = SequenceStatus.FINISHED
         caching, cache_computed = self.blocks.enable_caching, self.blocks.cache_computed
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        seqs = batch.seqs
+        every_row = len(samples) == len(seqs)  # (the usual decode step: one pass)
+        for seq, n in zip(seqs, batch.num_new_tokens, strict=True):
+            if every_row:
+                seq.num_pending += 1
             if seq.status is finished_status:
                 continue
             computed = seq.num_computed_tokens + n
@@ -298,9 +302,9 @@ class Scheduler:
                 seq.num_ever_computed = computed
             if caching:  # prefix cache: full blocks whose K/V this step wrote become reusable
                 cache_computed(seq)  # (launched steps run in order: later readers wait)
-        seqs = batch.seqs
-        for i in samples:
-            seqs[i].num_pending += 1
+        if not every_row:
+            for i in samples:
+                seqs[i].num_pending += 1
 
     def on_sampled(self, seq: Sequence, token: int) -> bool:
         """A sampled token reached the host: appends it and applies the token stops. True when
