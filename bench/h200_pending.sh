@@ -18,16 +18,19 @@
 #                                                # caching off, closed runs of 64-token outputs,
 #                                                # then A B B A rounds (~9 min)
 #
-# Results go to $OUT/<part>/ and a tarball $OUT/<part>.tgz (the device tool returns at most
-# 8 files). REPEATS (3) and the parts' timeouts can be set in the environment.
+# PART may name several parts, run in turn ("structured tests"). Results go to $OUT/<part>/
+# and a tarball $OUT/<part>.tgz (the device tool returns at most 8 files). REPEATS (3) and
+# the parts' timeouts (T_TESTS, T_RUN) can be set in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh || exit 1
-PART=${PART:?set PART to tests, structured, fp8, accuracy or tuner}
+PARTS_=${PART:?set PART to tests, structured, fp8, accuracy or tuner}
+REPEATS=${REPEATS:-3}
+for PART in $PARTS_; do
 O=$OUT/$PART
 mkdir -p "$O"
+echo "=== $PART $(date +%T)"
 machine | tee "$O/machine.txt"
-REPEATS=${REPEATS:-3}
 
 case $PART in
 tests)
@@ -75,6 +78,7 @@ tuner)
     TUNE_LIMIT=${T_RUN:-560} EMB_DIR=$R/.gpuassets/minilm bash bench/issue15_h200.sh
   ;;
 *)
-  echo "unknown PART=$PART"; exit 2 ;;
+  echo "unknown part $PART"; exit 2 ;;
 esac
 (cd "$OUT" && tar czf "/tmp/$PART.tgz" "$PART" && mv "/tmp/$PART.tgz" "$OUT/")
+done
