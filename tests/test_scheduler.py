@@ -69,6 +69,29 @@ def test_priority_orders_admission():
     assert sched.schedule().seqs == [high]
 
 
+def test_admitted_sequences_take_their_rank_in_the_batch():
+    """The batch lists decodes, then prefill chunks, each in rank order: sequences admitted in
+    this step that outrank the running ones come before them (a one-token prompt among the
+    decodes, a longer one among the prefill chunks)."""
+    sched = make_scheduler(max_batched_tokens=64, max_prefill_tokens=16)
+    (a,) = make_requests(1, prompt_len=8, max_tokens=20, priority=5)
+    sched.add(a)
+    update(sched, sched.schedule(), [7])  # a decodes from now on
+    (b,) = make_requests(1, prompt_len=100, max_tokens=5, priority=5)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 16]
+    update(sched, batch, [7, None])  # b is mid-prompt
+    (h,) = make_requests(1, prompt_len=6, priority=-1)
+    (h1,) = make_requests(1, prompt_len=1, priority=-1)
+    sched.add(h)
+    sched.add(h1)
+    batch = sched.schedule()
+    assert batch.seqs == [h1, a, h, b] and batch.num_new_tokens == [1, 1, 6, 16]
+    assert batch.num_decodes == 2 and batch.kind == "mixed"
+    assert batch.useful_tokens == 24
+
+
 def test_fcfs_ignores_priority():
     sched = make_scheduler(max_running=1, policy="fcfs")
     low, high = make_requests(1, priority=5)[0], make_requests(1, priority=-1)[0]
