@@ -18,16 +18,19 @@
 #                                                # caching off, closed runs of 64-token outputs,
 #                                                # then A B B A rounds (~9 min)
 #
-# PART may name several parts, run in turn ("structured tests"). Results go to $OUT/<part>/
-# and a tarball $OUT/<part>.tgz (the device tool returns at most 8 files). REPEATS (3) and
-# the parts' timeouts (T_TESTS, T_RUN) can be set in the environment.
+# PART may name several parts, run in turn ("structured tests"). Each part works in
+# /tmp/pending/<part>/ and keeps $OUT/<part>.tgz up to date after each of its runs (the device
+# tool returns at most 8 files, and what is under $OUT when a call runs out of time).
+# REPEATS (3), ORDER (structured: "A1 B1 B2 A2") and the timeouts (T_TESTS, T_RUN) can be set
+# in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh || exit 1
 PARTS_=${PART:?set PART to tests, structured, fp8, accuracy or tuner}
 REPEATS=${REPEATS:-3}
+save() { tar czf "/tmp/pending/$PART.tgz" -C /tmp/pending "$PART" && mv "/tmp/pending/$PART.tgz" "$OUT/"; }
 for PART in $PARTS_; do
-O=$OUT/$PART
+O=/tmp/pending/$PART
 mkdir -p "$O"
 echo "=== $PART $(date +%T)"
 machine | tee "$O/machine.txt"
@@ -54,8 +57,11 @@ structured)
       --server-cmd "python3 -m bucketserve.server.cli serve --model $M --embedding-model none \
       --device cuda --port 8200 --buckets /tmp/ours.toml" > "$O/server_$1.log" 2>&1)
     grep -h "tok_s_ratio\|^plain:\|core loop" "$O/server_$1.log" | cut -c1-300
+    save
   }
-  one A1 "$OLD"; one B1 "$R"; one B2 "$R"; one A2 "$OLD"
+  for run in ${ORDER:-A1 B1 B2 A2}; do
+    case $run in A*) one "$run" "$OLD" ;; *) one "$run" "$R" ;; esac
+  done
   ;;
 fp8)
   for m in graphs fp8kv fp8kv_fast; do
@@ -65,6 +71,7 @@ fp8)
     timeout "${T_RUN:-160}" python3 bench/gpu_8b.py --out "$O/$m" --modes $mode --requests 256,1024 \
       --repeats "$REPEATS" --batches 256 $extra > "$O/$m.log" 2>&1
     grep -h "^llama-8b\|^decode" "$O/$m.log"
+    save
   done
   ;;
 accuracy)
@@ -80,5 +87,5 @@ tuner)
 *)
   echo "unknown part $PART"; exit 2 ;;
 esac
-(cd "$OUT" && tar czf "/tmp/$PART.tgz" "$PART" && mv "/tmp/$PART.tgz" "$OUT/")
+save
 done
