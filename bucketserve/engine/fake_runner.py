@@ -83,10 +83,7 @@ class FakeRunner:
         ids = [lo + (seq_lens[i] * 7919) % span for i in plan.sample_seqs]
         if self.eos:
             ids = [t + 1 if t in self.eos else t for t in ids]
-        seqs = batch.seqs
-        k = len(plan.sample_seqs)
-        self._last_index = dict(zip(seqs if k == len(seqs) else [seqs[i] for i in plan.sample_seqs],
-                                    range(k), strict=True))
+        self._last_index = dict(zip(plan.sampled(batch.seqs), range(len(ids)), strict=True))
         now = time.perf_counter()
         self.step_timing["prepare_s"] += now - t0
         self._busy_until = max(now, self._busy_until) + self.step_s

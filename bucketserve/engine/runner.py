@@ -82,6 +82,10 @@ class StepPlan:
     def is_decode(self) -> bool:
         return self.num_decodes == self.num_seqs
 
+    def sampled(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The batch's sequences that sample, in order (the batch's own list when all do)."""
+        return seqs if len(self.sample_seqs) == len(seqs) else [seqs[i] for i in self.sample_seqs]
+
 
 _NO_TABLE: tuple[None, int] = (None, -1)
 # StepInputs._fill_tables: how many rows further down a moved table is looked for
@@ -634,8 +638,7 @@ class ModelRunner:
             return RunnerStep(batch, padding)
         h = hidden[:k] if rows is None else hidden.index_select(0, rows)
         logits = self.model.compute_logits(h)
-        seqs = batch.seqs
-        sampled_seqs = seqs if k == len(seqs) else [seqs[i] for i in plan.sample_seqs]
+        sampled_seqs = plan.sampled(batch.seqs)
         tokens, logprobs = self.sampler.sample(logits, sampled_seqs)
         host = ready = None
         if self._token_events:  # CUDA: start the copy to the host now, wait for it later
