@@ -30,7 +30,7 @@ version() { $PY -m pip show "$1" 2>/dev/null | sed -n 's/^Version: //p' || true;
 pkgs=""
 for p in fastapi starlette annotated-doc uvicorn httptools sse-starlette pydantic pydantic_core \
          annotated-types typing-inspection pyzmq msgspec gguf xgrammar apache-tvm-ffi openai jiter \
-         distro sniffio jsonschema jsonschema-specifications referencing rpds-py; do
+         distro sniffio jsonschema jsonschema-specifications referencing rpds-py opentelemetry-api; do
   v=$(version $p)
   if [ -z "$v" ]; then echo "skipped (not in $PY's environment): $p"; continue; fi
   pkgs="$pkgs $p==$v"

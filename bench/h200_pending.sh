@@ -46,6 +46,11 @@ tests)
   tail -3 "$O/pytest.log"
   ;;
 structured)
+  # xgrammar's batch fill of 128 rows on 1-8 of this host's threads (the engine uses
+  # min(8, cores // 2)): whether its threads pay on a 16-core host
+  for th in 1 2 4 8; do
+    python3 bench/xgrammar_gil_cpu.py --tok "$TOK" --threads $th --calls 100 2>/dev/null | tail -1
+  done | tee "$O/fill_threads.jsonl" | cut -c1-120
   M=/tmp/model-llama-1b
   [ -d $M ] || python3 bench/make_random_model.py --shape llama-1b --tok "$TOK" --out $M \
     --device cuda > "$O/make.log" 2>&1 || { tail "$O/make.log"; exit 1; }
