@@ -17,9 +17,11 @@ from ray.exceptions import ActorDiedError  # noqa: E402
 from ray.serve.exceptions import BackPressureError  # noqa: E402
 
 from bucketserve.server.ray_deploy import (  # noqa: E402
+    DRAIN_ENV,
     EngineReplica,
     Forwarded,
     Ingress,
+    direct_ingress_env,
     merge_bodies,
     merge_metrics,
     serve_args,
@@ -305,3 +307,13 @@ def test_after_the_first_token_a_batch_collects_what_comes_within_the_wait() -> 
             await send(message)
 
     assert replica_items(paced, batch_wait_s=0.5) == [[START], [CHUNK], [CHUNK, CHUNK, last]]
+
+
+def test_haproxy_drain_window_stays_inside_the_shutdown_budget() -> None:
+    # Ray's own default (30 s) would hold every stopping replica for the whole default
+    # --shutdown-timeout, and past a shorter one (the controller then kills it undrained)
+    assert direct_ingress_env(30.0, {}) == {"RAY_SERVE_ENABLE_HA_PROXY": "1", DRAIN_ENV: "5"}
+    assert direct_ingress_env(4.0, {})[DRAIN_ENV] == "2"
+    assert direct_ingress_env(0.0, {})[DRAIN_ENV] == "0"
+    # an operator's own setting wins
+    assert DRAIN_ENV not in direct_ingress_env(30.0, {DRAIN_ENV: "60"})

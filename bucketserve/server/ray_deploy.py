@@ -70,6 +70,14 @@ REPLICA_GONE = (RayActorError, ActorUnavailableError)
 APP_NAME = "bucketserve"
 ROUTER_NEEDS_PROXY = "--request-router needs --ray-ingress proxy: with haproxy, HAProxy routes"
 DIRECT_MARGIN = 64  # --ray-ingress haproxy: requests a replica takes beyond its engine's limits
+# --ray-ingress haproxy: how long a stopping replica stays reachable before it closes its
+# listener (Ray's RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, 30 s by default). Ray's
+# HAProxy manager reloads within a second of a replica leaving, and HAProxy retries a refused
+# connection on another replica, so a few seconds do; Ray's 30 s outlasted the default
+# --shutdown-timeout (30 s), after which the controller kills the replica before its engine
+# drains, and made every stop take 30 s with nothing in flight.
+DEREGISTER_S = 5.0
+DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 
 
 def serve_args(overrides: dict[str, Any]) -> argparse.Namespace:
@@ -483,6 +491,17 @@ def typed(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def direct_ingress_env(shutdown_timeout: float, environ: dict[str, str]) -> dict[str, str]:
+    """The environment a local Ray instance needs for --ray-ingress haproxy: the HAProxy
+    switch, and a deregistration window inside the shutdown budget (at most DEREGISTER_S, at
+    most half of --shutdown-timeout, so that the replica's own drain gets the rest) unless
+    the operator set Ray's variable."""
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    if DRAIN_ENV not in environ:
+        env[DRAIN_ENV] = f"{min(DEREGISTER_S, max(0.0, shutdown_timeout) / 2):g}"
+    return env
+
+
 def serve_ray(args: argparse.Namespace) -> int:
     """`bucketserve serve --replicas N`: starts (or joins) Ray, runs the application with
     the HTTP proxy on --host / --port until SIGTERM / SIGINT, then shuts Serve down
@@ -490,9 +509,10 @@ def serve_ray(args: argparse.Namespace) -> int:
     import ray
 
     if args.ray_ingress == "haproxy":
-        # read by Serve's controller at its start (a local instance inherits this process's
-        # environment; a cluster joined with --ray-address must have been started with it)
-        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+        # read by Serve's controller and replicas at their start (a local instance inherits
+        # this process's environment; a cluster joined with --ray-address must have been
+        # started with them)
+        os.environ.update(direct_ingress_env(args.shutdown_timeout, dict(os.environ)))
     # "local": a new instance even when this machine already runs a `ray start` cluster
     init: dict[str, Any] = {"address": args.ray_address or "local", "log_to_driver": True}
     if args.ray_address is None:
