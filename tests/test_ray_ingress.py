@@ -317,3 +317,43 @@ def test_haproxy_drain_window_stays_inside_the_shutdown_budget() -> None:
     assert direct_ingress_env(0.0, {})[DRAIN_ENV] == "0"
     # an operator's own setting wins
     assert DRAIN_ENV not in direct_ingress_env(30.0, {DRAIN_ENV: "60"})
+
+
+def test_a_signal_while_the_replicas_deploy_stops_the_server_cleanly(monkeypatch) -> None:
+    # serve.run can take the replicas' model loads; a SIGTERM then used to hit ray.init's own
+    # handler (sys.exit in the middle of serve.run) and the process ended by SIGABRT
+    import os
+    import signal
+    import sys
+    from argparse import Namespace
+
+    import ray
+
+    from bucketserve.server import ray_deploy
+
+    calls: list[str] = []
+
+    def run(app, **_kw) -> None:
+        calls.append("run")
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the application deploys
+
+    def init(**_kw) -> None:  # as ray.init does on the main thread
+        calls.append("init")
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(signum))
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    monkeypatch.setattr(ray_deploy.serve, "start", lambda **_kw: calls.append("start"))
+    monkeypatch.setattr(ray_deploy.serve, "run", run)
+    monkeypatch.setattr(ray_deploy.serve, "delete", lambda name: calls.append("delete"))
+    monkeypatch.setattr(ray_deploy.serve, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(ray_deploy, "build_app", lambda _args: object())
+    args = Namespace(ray_ingress="proxy", ray_address=None, proxy_location=None,
+                     host="127.0.0.1", port=0, replicas=1, shutdown_timeout=1.0)
+    saved = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        assert ray_deploy.serve_ray(args) == 0
+    finally:
+        signal.signal(signal.SIGTERM, saved[0])
+        signal.signal(signal.SIGINT, saved[1])
+    assert calls == ["init", "start", "run", "delete", "shutdown", "ray.shutdown"]

@@ -518,15 +518,24 @@ def serve_ray(args: argparse.Namespace) -> int:
     if args.ray_address is None:
         init["include_dashboard"] = False
     ray.init(**init)
+    # ours from here on (ray.init's SIGTERM handler exits at once): a signal while the
+    # replicas are still deploying stops the server once serve.run returns, through the same
+    # drain as later; a second one interrupts whatever runs
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt(f"signal {signum} again")
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     location = args.proxy_location or ("HeadOnly" if args.ray_address is None else "EveryNode")
     serve.start(proxy_location=location, http_options={"host": args.host, "port": args.port})
-    stop = threading.Event()
     try:
         serve.run(build_app(vars(args)), name=APP_NAME, route_prefix="/")
         log.info("serving on http://%s:%d with %d replica(s) on Ray", args.host, args.port,
                  args.replicas)
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
         while not stop.wait(0.5):
             pass
         log.info("shutting down: replicas get %.1f s to finish their requests",
