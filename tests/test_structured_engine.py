@@ -91,6 +91,25 @@ def test_logit_bias(overlapped):
     assert banned.token_ids[0] != free.token_ids[0]
 
 
+def test_json_never_holds_a_raw_control_character(engine):
+    """Compact JSON has no raw byte 0x00-0x1F; xgrammar 0.2.9 lets most of them into a string
+    with a length bound. A logit_bias that favours them must still give valid JSON."""
+    tok = engine.tokenizer
+    controls = [i for i in range(tok.vocab_size)
+                if len(tok.token_bytes(i)) == 1 and tok.token_bytes(i)[0] < 0x20]
+    assert len(controls) > 10
+    p = prompt(engine, "Describe a person as JSON.")
+    for schema in (PERSON, {"type": "object", "properties": {
+            "names": {"type": "array", "items": {"type": "string", "minLength": 3}}},
+            "required": ["names"]}):
+        out = engine.generate([p], SamplingParams(
+            max_tokens=80, temperature=0, logit_bias={t: 50.0 for t in controls},
+            guided=GuidedDecoding("json", json.dumps(schema))))[0]
+        assert not set(out.token_ids) & set(controls), out.text
+        jsonschema.validate(json.loads(out.text), schema)  # json.loads refuses raw controls
+        assert out.finish_reason == "stop"
+
+
 def test_compiling_grammar_does_not_stall_others(overlapped, monkeypatch):
     """A request whose grammar is not compiled yet waits in the queue; others run."""
     engine = overlapped

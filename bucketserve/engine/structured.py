@@ -16,6 +16,13 @@ grammar:
 JSON grammars are compact (xgrammar's any_whitespace=False with "," and ":" separators: no whitespace
 between JSON tokens), so
 that a bounded schema has a bounded output and the matcher ends it.
+
+Compact JSON has no raw control character (bytes 0x00-0x1F) anywhere: inside strings JSON
+wants them escaped, and between tokens there is no whitespace. xgrammar 0.2.9's rule for a
+string with `minLength` / `maxLength` lets most of them through (not newline), so a sampled
+control byte would end as invalid JSON (`json.loads` refuses it). The rows of JSON grammars
+therefore also mask every token whose bytes hold one (`json_text_mask`, applied with the
+grammar's mask on the device).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -88,6 +96,22 @@ def tokenizer_info(tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
                              stop_token_ids=sorted(tokenizer.eos_token_ids))
 
 
+def json_text_mask(tokenizer, vocab_size: int) -> torch.Tensor:
+    """int32 [ceil(vocab_size / 32)], xgrammar's bitmask layout: every token allowed but those
+    whose bytes hold a control character (0x00-0x1F), which compact JSON never has. Ids past
+    the tokenizer's vocabulary stay allowed (the grammar's own mask decides them)."""
+    words = (vocab_size + 31) // 32
+    bits = np.ones(words * 32, dtype=np.uint8)
+    for i in range(min(tokenizer.vocab_size, vocab_size)):
+        if tokenizer.is_byte_level:
+            raw = tokenizer.token_bytes(i)
+        else:
+            raw = (tokenizer.id_to_token(i) or "").encode("utf-8", "replace")
+        if any(b < 0x20 for b in raw):
+            bits[i] = 0
+    return torch.from_numpy(np.packbits(bits, bitorder="little").view(np.int32).copy())
+
+
 class GrammarCompiler:
     """Compiles grammars on `threads` worker threads; futures cached by spec (LRU)."""
 
@@ -98,6 +122,7 @@ class GrammarCompiler:
         threads = threads or min(4, max(2, (os.cpu_count() or 2) // 4))
         self.info = tokenizer_info(tokenizer, vocab_size)
         self.vocab_size = self.info.vocab_size
+        self.json_mask = json_text_mask(tokenizer, self.vocab_size)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self._cache: OrderedDict[GuidedDecoding, Future] = OrderedDict()
@@ -121,14 +146,17 @@ class GrammarCompiler:
         return self._compiler.compile_grammar(build_grammar(g))
 
     def state(self, g: GuidedDecoding) -> GrammarState:
-        return GrammarState(self.submit(g))
+        return GrammarState(self.submit(g),
+                            self.json_mask if g.kind in ("json", "json_object") else None)
 
 
 class GrammarState:
-    """One sequence's grammar: the compile future, then its matcher."""
+    """One sequence's grammar: the compile future, then its matcher. `text_mask`: a bitmask
+    ANDed into every mask of this row (JSON grammars: `json_text_mask`), or None."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future, text_mask: torch.Tensor | None = None) -> None:
         self.future = future
+        self.text_mask = text_mask
         self.matcher: xgr.GrammarMatcher | None = None
         self.error: str | None = None
         # the matcher's is_terminated(), as of its last accepted token (a new matcher has
@@ -176,6 +204,7 @@ class GrammarMasks:
         # one host buffer on the CPU): decode steps mostly mask the same rows as the step
         # before, and then the index is neither rebuilt nor copied again
         self._index_rows: list[int] | None = None
+        self._text: tuple[torch.Tensor, torch.Tensor] | None = None  # text mask: host, device
 
     def _buffers(self, rows: int, vocab: int, device: torch.device):
         words = (vocab + 31) // 32
@@ -221,4 +250,30 @@ class GrammarMasks:
             bitmask, index = dev_mask[:b], dev_index[:n]
         else:
             bitmask, index = bitmask[:b], index[:n]
+        self._text_masks(bitmask, rows, states)
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=index)
+
+    def _text_masks(self, bitmask: torch.Tensor, rows: list[int],
+                    states: list[GrammarState]) -> None:
+        """ANDs each row's `text_mask` into its bitmask row (where the mask will be applied).
+        The usual step has one (the JSON one) for every row: one op over the buffer, whose
+        rows outside `rows` are never applied."""
+        text = [st.text_mask for st in states if not st.terminated]
+        first = text[0]
+        if first is None and all(t is None for t in text):
+            return
+        words = bitmask.shape[1]
+
+        def fitted(t: torch.Tensor) -> torch.Tensor:  # to the logits' width, on their device
+            if t.shape[0] < words:  # ids past the mask's vocabulary stay allowed
+                t = torch.cat([t, t.new_full((words - t.shape[0],), -1)])
+            return t[:words].to(bitmask.device)
+
+        if all(t is first for t in text):
+            if self._text is None or self._text[0] is not first:
+                self._text = (first, fitted(first))
+            bitmask &= self._text[1]
+            return
+        for r, t in zip(rows, text, strict=True):  # mixed kinds: row by row
+            if t is not None:
+                bitmask[r] &= fitted(t)
