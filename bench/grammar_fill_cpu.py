@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""xgrammar's batch mask fill against llguidance's on the same states (docs/structured-output.md).
+
+The guided step's host time holds must-show 3 of issue 30 back, and the mask fill is the
+grammar's own share of it. This times one fill of --rows matchers of one JSON schema (compact,
+as served) over the SmolLM2 vocabulary (--tok: a directory with its tokenizer.json), with both
+libraries, in two sets of states:
+- in_string: every row part-way through the same string value (most tokens allowed);
+- varied: row i has accepted the first i/rows of a valid document (keys, numbers, arrays,
+  a nested object, a pattern-bound string).
+ms per fill is the best of 5 rounds of --calls fills; `equal_rows` counts the rows whose two
+masks are identical. llguidance is not a dependency of the project: install it aside
+(`pip install --target /tmp/llg llguidance`) and put that directory on PYTHONPATH.
+
+    PYTHONPATH=/tmp/llg python bench/grammar_fill_cpu.py --tok DIR [--threads 1] [--calls 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import time
+from functools import partial
+
+import numpy as np
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+from bucketserve.engine.structured import tokenizer_info
+from bucketserve.models.tokenizer import Tokenizer
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}},
+    "addr": {"type": "object", "properties": {
+        "city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+        "required": ["city", "zip"]}},
+    "required": ["name", "age", "tags", "addr"]}
+DOC = ('{"name":"Ada Lovelace the first","age":36,"tags":["a","b","a"],'
+       '"addr":{"city":"London town","zip":"12345"}}')
+IN_STRING = '{"name":"Ada'
+
+
+def best_ms(fill, calls: int) -> float:
+    fill()
+    fill()
+    rounds = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fill()
+        rounds.append((time.perf_counter() - t) / calls * 1e3)
+    return round(min(rounds), 4)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tok", required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--rows", type=int, default=128)
+    args = ap.parse_args()
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy as lnp
+
+    tok = AutoTokenizer.from_pretrained(args.tok)
+    vocab = len(tok)
+    rows = args.rows
+    doc = tok.encode(DOC, add_special_tokens=False)
+    states = {"in_string": [tok.encode(IN_STRING, add_special_tokens=False)] * rows,
+              "varied": [doc[:(i * len(doc)) // rows] for i in range(rows)]}
+    schema = json.dumps(SCHEMA)
+    info = tokenizer_info(Tokenizer.from_hf_dir(args.tok), vocab)  # as the engine builds it
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(
+        schema, any_whitespace=False, separators=(",", ":"))
+    xbatch = xgr.BatchGrammarMatcher(max_threads=args.threads)
+    lltok = llguidance.hf.from_tokenizer(tok)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": False})
+    executor = llguidance.LLExecutor(args.threads)
+    out = {"rows": rows, "threads": args.threads, "vocab": vocab,
+           "xgrammar": importlib.metadata.version("xgrammar"),
+           "llguidance": getattr(llguidance, "__version__", "?")}
+    for name, prefixes in states.items():
+        xms = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
+        lms = [llguidance.LLMatcher(lltok, grammar) for _ in range(rows)]
+        for xm, lm, p in zip(xms, lms, prefixes, strict=True):
+            assert all(xm.accept_token(t) for t in p)
+            assert lm.consume_tokens(p), lm.get_error()
+        xmask = xgr.allocate_token_bitmask(rows, vocab)
+        lmask = lnp.allocate_token_bitmask(rows, vocab)
+        pairs = [(m, i) for i, m in enumerate(lms)]
+        out[name] = {
+            "xgrammar_ms": best_ms(partial(xbatch.batch_fill_next_token_bitmask, xms, xmask),
+                                   args.calls),
+            "llguidance_ms": best_ms(partial(lnp.fill_next_token_bitmask_par, executor, pairs,
+                                             lmask), args.calls),
+            "equal_rows": sum(int(np.array_equal(lmask[i], xmask[i].numpy()))
+                              for i in range(rows))}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
