@@ -304,6 +304,42 @@ def test_grammar_masks_equal_one_row_at_a_time(small_compiler):
         assert torch.equal(got, want), step
 
 
+def test_json_rows_mask_control_bytes_and_other_rows_keep_them():
+    """json_text_mask on a RAW vocabulary with control characters: a JSON row inside a
+    length-bounded string (xgrammar 0.2.9 allows them there) loses every token holding one,
+    a regex row in the same step keeps them, alone and beside the JSON row."""
+    import torch
+
+    from bucketserve.engine.structured import GrammarCompiler, GrammarMasks
+
+    vocab = SmallVocab()
+    vocab.tokens += ["\x01", "a\x01b", "\t"]
+    vocab.vocab_size = len(vocab.tokens)
+    compiler = GrammarCompiler(vocab, 128, threads=1)
+    controls = [vocab.tokens.index(t) for t in ("\x01", "a\x01b", "\t")]
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 20}},
+              "required": ["s"]}
+    json_row = compiler.state(GuidedDecoding("json", json.dumps(schema)))
+    regex_row = compiler.state(GuidedDecoding("regex", "[a\\x01]{1,5}"))
+    for st in (json_row, regex_row):
+        st.future.result()
+        assert st.ready() and st.error is None
+    for tok in vocab.ids('{"s":"a'):
+        assert json_row.accept(tok)
+    assert regex_row.accept(vocab.ids("a")[0])
+    masks = GrammarMasks()
+    for rows, states in (([0, 1], [json_row, regex_row]), ([0], [json_row]), ([1], [regex_row])):
+        logits = torch.zeros(2, 128)
+        masks.apply(logits, rows, states)
+        for r, st in zip(rows, states, strict=True):
+            banned = torch.isinf(logits[r, controls])
+            if st is json_row:
+                assert banned.all(), rows
+                assert not torch.isinf(logits[r, vocab.ids("b")[0]])  # text still allowed
+            else:
+                assert not banned[0], rows  # the regex allows \x01
+
+
 def test_needs_host_tokens_for_a_pending_grammar_or_penalty():
     """The previous step must be resolved first when a row with a pending token has a grammar or
     a repetition / presence / frequency penalty; not for plain rows, nor without a pending token."""

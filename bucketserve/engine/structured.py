@@ -229,6 +229,7 @@ class GrammarMasks:
             return
         if len(matchers) != len(rows):
             rows = [r for r, st in zip(rows, states, strict=True) if not st.terminated]
+            states = [st for st in states if not st.terminated]
         b, vocab = logits.shape
         bitmask, index = self._buffers(b, vocab, logits.device)
         n = len(rows)
@@ -258,10 +259,6 @@ class GrammarMasks:
         """ANDs each row's `text_mask` into its bitmask row (where the mask will be applied).
         The usual step has one (the JSON one) for every row: one op over the buffer, whose
         rows outside `rows` are never applied."""
-        text = [st.text_mask for st in states if not st.terminated]
-        first = text[0]
-        if first is None and all(t is None for t in text):
-            return
         words = bitmask.shape[1]
 
         def fitted(t: torch.Tensor) -> torch.Tensor:  # to the logits' width, on their device
@@ -269,11 +266,16 @@ class GrammarMasks:
                 t = torch.cat([t, t.new_full((words - t.shape[0],), -1)])
             return t[:words].to(bitmask.device)
 
-        if all(t is first for t in text):
+        first = states[0].text_mask
+        if all(st.text_mask is first for st in states):
+            if first is None:
+                return
             if self._text is None or self._text[0] is not first:
                 self._text = (first, fitted(first))
             bitmask &= self._text[1]
             return
-        for r, t in zip(rows, text, strict=True):  # mixed kinds: row by row
-            if t is not None:
-                bitmask[r] &= fitted(t)
+        for r, st in zip(rows, states, strict=True):  # mixed kinds: row by row
+            if st.text_mask is not None:
+                bitmask[r] &= fitted(st.text_mask)
+
+
