@@ -9,7 +9,13 @@ libraries, in two sets of states:
 - varied: row i has accepted the first i/rows of a valid document (keys, numbers, arrays,
   a nested object, a pattern-bound string).
 ms per fill is the best of 5 rounds of --calls fills; `equal_rows` counts the rows whose two
-masks are identical. llguidance is not a dependency of the project: install it aside
+masks are identical. Then what a request with a new schema costs before its first mask
+(`compile`: bench/structured_gpu.py's schemas, a different one each time): xgrammar's
+compilation as the engine runs it (`GrammarCompiler._compile`) against llguidance's matcher
+from a new schema, ms each; and how much of xgrammar's compilation holds the GIL (`gil_share`:
+--compiles compilations on a thread beside an equal stretch of Python on the main thread; 0:
+they ran side by side, 1: one after the other). The engine compiles in its core process,
+whose loop needs the GIL for every step. llguidance is not a dependency of the project: install it aside
 (`pip install --target /tmp/llg llguidance`) and put that directory on PYTHONPATH.
 
     PYTHONPATH=/tmp/llg python bench/grammar_fill_cpu.py --tok DIR [--threads 1] [--calls 100]
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import threading
 import time
 from functools import partial
 
@@ -54,12 +61,63 @@ def best_ms(fill, calls: int) -> float:
     return round(min(rounds), 4)
 
 
+def busy(n: int) -> int:
+    x = 0
+    for i in range(n):
+        x += i
+    return x
+
+
+def timed(fn, *a) -> float:
+    t = time.perf_counter()
+    fn(*a)
+    return time.perf_counter() - t
+
+
+def compile_costs(args, lltok) -> dict:
+    import llguidance
+
+    from bench.structured_gpu import schema
+    from bucketserve.engine.sequence import GuidedDecoding
+    from bucketserve.engine.structured import GrammarCompiler
+
+    n = args.compiles
+    compiler = GrammarCompiler(Tokenizer.from_hf_dir(args.tok), 0, threads=1)
+
+    def xgrammar_range(first: int) -> None:
+        for i in range(first, first + n):
+            compiler._compile(GuidedDecoding("json", json.dumps(schema(i))))
+
+    def llguidance_range(first: int) -> None:
+        for i in range(first, first + n):
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema(i)), defaults={"whitespace_flexible": False})
+            assert not llguidance.LLMatcher(lltok, grammar).is_error()
+
+    xgrammar_range(10**6)  # warm
+    llguidance_range(10**6)
+    xs = timed(xgrammar_range, 0)
+    ls = timed(llguidance_range, 0)
+    k = 200_000
+    k = int(k * xs / timed(busy, k))  # Python as long as the compilations
+    py = timed(busy, k)
+    th = threading.Thread(target=xgrammar_range, args=(2 * 10**6,))
+    t = time.perf_counter()
+    th.start()
+    busy(k)
+    th.join()
+    both = time.perf_counter() - t
+    return {"xgrammar_ms": round(xs / n * 1e3, 3), "llguidance_ms": round(ls / n * 1e3, 3),
+            "xgrammar_gil_share": round((both - max(xs, py)) / min(xs, py), 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tok", required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--compiles", type=int, default=40)
     args = ap.parse_args()
     import llguidance
     import llguidance.hf
@@ -99,6 +157,7 @@ def main() -> None:
                                              lmask), args.calls),
             "equal_rows": sum(int(np.array_equal(lmask[i], xmask[i].numpy()))
                               for i in range(rows))}
+    out["compile"] = compile_costs(args, lltok)
     print(json.dumps(out))
 
 
