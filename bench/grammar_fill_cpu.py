@@ -12,10 +12,12 @@ ms per fill is the best of 5 rounds of --calls fills; `equal_rows` counts the ro
 masks are identical. Then what a request with a new schema costs before its first mask
 (`compile`: bench/structured_gpu.py's schemas, a different one each time): xgrammar's
 compilation as the engine runs it (`GrammarCompiler._compile`) against llguidance's matcher
-from a new schema, ms each; and how much of xgrammar's compilation holds the GIL (`gil_share`:
---compiles compilations on a thread beside an equal stretch of Python on the main thread; 0:
-they ran side by side, 1: one after the other). The engine compiles in its core process,
-whose loop needs the GIL for every step. llguidance is not a dependency of the project: install it aside
+from a new schema, ms each; and what a thread compiling new schemas with xgrammar without
+pause does to the main thread (`main_thread_beside_xgrammar_compiles`: the share of 2 s it could
+not run, its longest stall, stalls over 1 ms a second; `main_thread_alone`: the same without
+the compile thread). The engine compiles in its core process, whose loop needs the GIL for
+every step. `xgrammar_fill_on_a_thread`: the same for the batch fill (in_string states), at
+Python's default switch interval and at 0.1 ms, with the fill's ms per call on its thread. llguidance is not a dependency of the project: install it aside
 (`pip install --target /tmp/llg llguidance`) and put that directory on PYTHONPATH.
 
     PYTHONPATH=/tmp/llg python bench/grammar_fill_cpu.py --tok DIR [--threads 1] [--calls 100]
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import sys
 import threading
 import time
 from functools import partial
@@ -61,17 +64,46 @@ def best_ms(fill, calls: int) -> float:
     return round(min(rounds), 4)
 
 
-def busy(n: int) -> int:
-    x = 0
-    for i in range(n):
-        x += i
-    return x
+def stalls(duration_s: float) -> dict:
+    """The main thread spins for duration_s and records every gap between its iterations
+    longer than 100 us: time it could not run (the GIL held elsewhere, or no core)."""
+    gaps, last = [], time.perf_counter()
+    end = last + duration_s
+    while last < end:
+        now = time.perf_counter()
+        if now - last > 1e-4:
+            gaps.append(now - last)
+        last = now
+    return {"lost_pct": round(100 * sum(gaps) / duration_s, 1),
+            "max_stall_ms": round(max(gaps, default=0.0) * 1e3, 2),
+            "stalls_over_1ms_per_s": round(sum(g > 1e-3 for g in gaps) / duration_s, 1)}
 
 
-def timed(fn, *a) -> float:
-    t = time.perf_counter()
-    fn(*a)
-    return time.perf_counter() - t
+def fill_until(batch, matchers, bitmask, stop: threading.Event, count: list[int]) -> None:
+    while not stop.is_set():
+        batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        count[0] += 1
+
+
+def fills_beside(batch, matchers, bitmask) -> dict:
+    """xgrammar's batch fill without pause on a thread while the main thread spins, at Python's
+    default switch interval (5 ms) and at 0.1 ms: the main thread's stalls, and the fill's ms
+    per call (alone, it is the `in_string` figure)."""
+    out = {}
+    default = sys.getswitchinterval()
+    for interval in (default, 1e-4):
+        sys.setswitchinterval(interval)
+        stop = threading.Event()
+        count = [0]
+        th = threading.Thread(target=fill_until, args=(batch, matchers, bitmask, stop, count))
+        th.start()
+        main = stalls(2.0)
+        stop.set()
+        th.join()
+        out[f"switch_{interval * 1e3:g}ms"] = {"main_thread": main,
+                                               "fill_ms": round(2000 / max(count[0], 1), 3)}
+    sys.setswitchinterval(default)
+    return out
 
 
 def compile_costs(args, lltok) -> dict:
@@ -84,8 +116,8 @@ def compile_costs(args, lltok) -> dict:
     n = args.compiles
     compiler = GrammarCompiler(Tokenizer.from_hf_dir(args.tok), 0, threads=1)
 
-    def xgrammar_range(first: int) -> None:
-        for i in range(first, first + n):
+    def xgrammar_range(first: int, count: int = n) -> None:
+        for i in range(first, first + count):
             compiler._compile(GuidedDecoding("json", json.dumps(schema(i))))
 
     def llguidance_range(first: int) -> None:
@@ -96,19 +128,30 @@ def compile_costs(args, lltok) -> dict:
 
     xgrammar_range(10**6)  # warm
     llguidance_range(10**6)
-    xs = timed(xgrammar_range, 0)
-    ls = timed(llguidance_range, 0)
-    k = 200_000
-    k = int(k * xs / timed(busy, k))  # Python as long as the compilations
-    py = timed(busy, k)
-    th = threading.Thread(target=xgrammar_range, args=(2 * 10**6,))
     t = time.perf_counter()
+    xgrammar_range(0)
+    xs = time.perf_counter() - t
+    t = time.perf_counter()
+    llguidance_range(0)
+    ls = time.perf_counter() - t
+    # the engine loop's view: a thread compiling new schemas without pause, as the core's
+    # compile pool does under a burst of them, beside the main thread
+    alone = stalls(1.0)
+    stop = threading.Event()
+
+    def compile_until_stopped() -> None:
+        i = 2 * 10**6
+        while not stop.is_set():
+            xgrammar_range(i, 1)
+            i += 1
+
+    th = threading.Thread(target=compile_until_stopped)
     th.start()
-    busy(k)
+    beside = stalls(2.0)
+    stop.set()
     th.join()
-    both = time.perf_counter() - t
     return {"xgrammar_ms": round(xs / n * 1e3, 3), "llguidance_ms": round(ls / n * 1e3, 3),
-            "xgrammar_gil_share": round((both - max(xs, py)) / min(xs, py), 2)}
+            "main_thread_alone": alone, "main_thread_beside_xgrammar_compiles": beside}
 
 
 def main() -> None:
@@ -157,6 +200,8 @@ def main() -> None:
                                              lmask), args.calls),
             "equal_rows": sum(int(np.array_equal(lmask[i], xmask[i].numpy()))
                               for i in range(rows))}
+        if name == "in_string":
+            out["xgrammar_fill_on_a_thread"] = fills_beside(xbatch, xms, xmask)
     out["compile"] = compile_costs(args, lltok)
     print(json.dumps(out))
 
