@@ -21,8 +21,9 @@
 # PART may name several parts, run in turn ("structured tests"). Each part works in
 # /tmp/pending/<part>/ and keeps $OUT/<part>.tgz up to date after each of its runs (the device
 # tool returns at most 8 files, and what is under $OUT when a call runs out of time).
-# REPEATS (3), ORDER (structured: "A1 B1 B2 A2") and the timeouts (T_TESTS, T_RUN) can be set
-# in the environment.
+# REPEATS (3), ORDER (structured: "A1 B1 B2 A2"; a run named F* is the tree with
+# BUCKETSERVE_OVERLAP_FILL=1, e.g. ORDER="B1 F1 F2 B2") and the timeouts (T_TESTS, T_RUN) can be
+# set in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh || exit 1
@@ -55,17 +56,17 @@ structured)
   [ -d $M ] || python3 bench/make_random_model.py --shape llama-1b --tok "$TOK" --out $M \
     --device cuda > "$O/make.log" 2>&1 || { tail "$O/make.log"; exit 1; }
   printf '[kv_cache]\nprefix_caching = false\n' > /tmp/ours.toml
-  one() {  # tag code
-    echo "== $1 $(date +%T) $(which_package "$2")"
-    (cd /tmp && PYTHONPATH=$2:/tmp/site timeout "${T_RUN:-150}" python3 "$R/bench/structured_gpu.py" \
+  one() {  # tag code [BUCKETSERVE_OVERLAP_FILL]
+    echo "== $1 $(date +%T) $(which_package "$2") overlap_fill=${3:-0}"
+    (cd /tmp && BUCKETSERVE_OVERLAP_FILL=${3:-0} PYTHONPATH=$2:/tmp/site timeout "${T_RUN:-150}" python3 "$R/bench/structured_gpu.py" \
       --repeats "$REPEATS" --out "$O/structured_$1.json" --base-url http://127.0.0.1:8200 \
       --server-cmd "python3 -m bucketserve.server.cli serve --model $M --embedding-model none \
       --device cuda --port 8200 --buckets /tmp/ours.toml" > "$O/server_$1.log" 2>&1)
     grep -h "tok_s_ratio\|^plain:\|core loop" "$O/server_$1.log" | cut -c1-300
     save
   }
-  for run in ${ORDER:-A1 B1 B2 A2}; do
-    case $run in A*) one "$run" "$OLD" ;; *) one "$run" "$R" ;; esac
+  for run in ${ORDER:-A1 B1 B2 A2}; do  # A: .gpuassets/old; B: the tree; F: the tree, overlap_fill
+    case $run in A*) one "$run" "$OLD" ;; F*) one "$run" "$R" 1 ;; *) one "$run" "$R" ;; esac
   done
   ;;
 fp8)

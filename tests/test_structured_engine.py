@@ -29,10 +29,12 @@ def loaded():
     return load_model("smollm2-135m-instruct", device="cpu")
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlapped"])
+@pytest.fixture(scope="module", params=["sync", "overlapped", "overlapped_fill"])
 def engine(request, loaded):
-    return LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), "cpu",
-                     async_scheduling=request.param)
+    eng = LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), "cpu",
+                    async_scheduling=request.param != "sync")
+    eng.overlap_fill = request.param == "overlapped_fill"
+    return eng
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,11 @@ def overlapped(loaded):
 
 def prompt(engine: LLMEngine, text: str) -> list[int]:
     tok = engine.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def prompt_for(loaded, text: str) -> list[int]:
+    tok = loaded.tokenizer
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
 
 
@@ -338,6 +345,45 @@ def test_json_rows_mask_control_bytes_and_other_rows_keep_them():
                 assert not torch.isinf(logits[r, vocab.ids("b")[0]])  # text still allowed
             else:
                 assert not banned[0], rows  # the regex allows \x01
+
+
+def test_mask_fill_on_a_thread_gives_the_same_tokens(loaded, monkeypatch):
+    """LLMEngine.overlap_fill: the guided rows' masks are filled on the fill thread while the
+    resolve goes on, and every guided step with two rows or more takes that fill; the tokens
+    are those of the same requests without it (greedy), with stops and a grammar ending
+    mid-batch."""
+    from bucketserve.engine.structured import GrammarMasks
+
+    taken: list[bool] = []  # per apply that found a started fill: whether it was its own
+    take = GrammarMasks._take_pending
+
+    def spy(self, *args):
+        started = self._pending is not None
+        got = take(self, *args)
+        if started:
+            taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(GrammarMasks, "_take_pending", spy)
+    buckets = load_buckets(None, max_model_len=loaded.max_model_len)
+    p = [prompt_for(loaded, f"Describe person {i} as JSON.") for i in range(6)]
+    params = [SamplingParams(max_tokens=60, temperature=0,
+                             guided=GuidedDecoding("json", json.dumps(PERSON)))] * 4 + [
+        SamplingParams(max_tokens=20, temperature=0,
+                       guided=GuidedDecoding("choice", json.dumps(["red", "green", "blue"]))),
+        SamplingParams(max_tokens=12, temperature=0)]
+    outs = {}
+    for fill in (False, True):
+        eng = LLMEngine(loaded, buckets, "cpu", async_scheduling=True)
+        eng.overlap_fill = fill
+        taken.clear()
+        outs[fill] = [(o.token_ids, o.finish_reason) for o in eng.generate(p, params)]
+        if fill:  # the steady guided steps took the fill started for them
+            assert len(taken) > 10 and all(taken), taken
+        else:
+            assert taken == []
+    assert outs[True] == outs[False]
+    assert [reason for _, reason in outs[True][:4]] == ["stop"] * 4  # JSON documents end
 
 
 def test_needs_host_tokens_for_a_pending_grammar_or_penalty():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -147,6 +148,14 @@ class LLMEngine:
         # a step whose forward is queued and whose sampling waits for the next call (async
         # only: its sampling reads _inflight's tokens on the host; _after_launch)
         self._queued: tuple[ScheduledBatch, QueuedForward] | None = None
+        # Experiment (off: unchanged): a queued guided step's mask fill starts on a thread
+        # once the previous step's tokens are accepted, and the rest of that resolve runs
+        # while xgrammar fills (it releases the GIL). BUCKETSERVE_OVERLAP_FILL=1 turns it on
+        # (bench/h200_pending.sh measures it); docs/structured-output.md says why.
+        self.overlap_fill = os.environ.get("BUCKETSERVE_OVERLAP_FILL", "") == "1"
+        if self.overlap_fill:
+            log.info("experiment: guided mask fills start on a thread during the resolve "
+                     "(BUCKETSERVE_OVERLAP_FILL=1)")
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self.stats.kv_blocks_total = self.block_manager.num_usable_blocks
@@ -263,8 +272,9 @@ class LLMEngine:
             # in-flight step's tokens, which are resolved now, inside sample_queued
             # (its faults fired when its forward was queued)
             batch, forward = queued
+            start = (lambda: self._start_masks(forward)) if self.overlap_fill else None
             step = self._launch(batch, results, lambda held: self.runner.sample_queued(
-                forward, held), needs_host_tokens=True, fire_faults=False)
+                forward, held), needs_host_tokens=True, fire_faults=False, start_masks=start)
             if step is not None:
                 self._after_launch(batch, step, results, t0)
             return results
@@ -291,13 +301,16 @@ class LLMEngine:
     def _launch(self, batch, results: list[News],
                 launch: Callable[[Callable[[], None] | None], RunnerStep],
                 needs_host_tokens: bool | None = None,
-                fire_faults: bool = True) -> RunnerStep | None:
+                fire_faults: bool = True,
+                start_masks: Callable[[], None] | None = None) -> RunnerStep | None:
         """Launches `batch` (`launch(before_sample)`: the whole step, or the sampling of a
         queued forward) and resolves the in-flight step: inside the launch, after the forward
         is queued and before the sampling, when this step's sampling reads the newest tokens
         on the host (a grammar's mask or a penalty: the host work overlaps the forward),
         else after it. `needs_host_tokens`: that test's answer where the caller has it (None:
-        asked here). None: the step failed (its requests' news are in `results`)."""
+        asked here). `start_masks`: called by the held resolve once its tokens are
+        accepted (`overlap_fill`). None: the step failed (its requests' news are in
+        `results`)."""
         prev, self._inflight = self._inflight, None
         held: list[RunnerStep] = []
         if prev is not None and (self._needs_host_tokens(batch) if needs_host_tokens is None
@@ -306,7 +319,7 @@ class LLMEngine:
 
         def resolve_held() -> None:
             if held:
-                results.extend(self._resolve(held.pop()))
+                results.extend(self._resolve(held.pop(), start_masks))
 
         try:
             if fire_faults:
@@ -379,10 +392,20 @@ class LLMEngine:
             self.faults.fire("step", (s.token_ids[0] for s in batch.seqs))
             self.faults.fire("oom", (s.token_ids[0] for s in batch.seqs))
 
-    def _resolve(self, step: RunnerStep) -> list[News]:
+    def _start_masks(self, forward) -> None:
+        """Starts the grammar masks of a queued step's sampling (`overlap_fill`)."""
+        seqs = forward.plan.sampled(forward.batch.seqs)
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if len(rows) > 1:
+            self.runner.sampler.start_masks(rows, [seqs[i].grammar for i in rows], len(seqs),
+                                            self.grammar_compiler.vocab_size, self.runner.device)
+
+    def _resolve(self, step: RunnerStep,
+                 start_masks: Callable[[], None] | None = None) -> list[News]:
         """Hands a launched step's sampled tokens to the scheduler and the output processor.
         A sequence that finished after the step was launched (a stop in the previous step's
-        tokens, an abort) drops its token: it is never emitted."""
+        tokens, an abort) drops its token: it is never emitted. With `start_masks`, the
+        grammars accept their tokens first, then `start_masks()` runs, then the rest."""
         try:
             out = step.result()  # the step's device work (and errors) surface here
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
@@ -390,6 +413,17 @@ class LLMEngine:
         self.num_failed_steps = 0
         results: list[News] = []
         seqs = step.batch.seqs
+        accepted: dict[int, bool] | None = None
+        if start_masks is not None:
+            # a token the next pass ends the sequence with (EOS, max_tokens, a stop) is
+            # accepted too: harmless, the sequence ends; a rejection then counts only where
+            # the sequence goes on, as when the accept comes after on_sampled
+            accepted = {}
+            for j, (i, token) in enumerate(zip(out.seqs, out.ids, strict=True)):
+                seq = seqs[i]
+                if seq.grammar is not None and seq.status is not FINISHED:
+                    accepted[j] = seq.grammar.accept(token)
+            start_masks()
         faults = self.faults
         logprobs = out.logprobs
         on_sampled, on_text = self.scheduler.on_sampled, self.outputs.on_text
@@ -401,7 +435,7 @@ class LLMEngine:
             finished = on_sampled(seq, token)
             grammar = seq.grammar
             if grammar is not None and not finished:
-                if not grammar.accept(token):
+                if not (accepted[j] if accepted is not None else grammar.accept(token)):
                     self.scheduler.finish(seq, FinishReason.ERROR)
                     self.outputs.drop_text(seq)
                     results.append(self._ended(

@@ -161,6 +161,17 @@ class Sampler:
             return tokens, None
         return tokens, self._logprobs(raw, seqs, tokens.tolist())
 
+    def start_masks(self, rows: list[int], states: list, b: int, vocab: int,
+                    device: torch.device) -> None:
+        """Starts the grammar masks of a coming `sample` (engine/structured.GrammarMasks.start):
+        rows are the sampled rows with a grammar, `states` their GrammarStates, b the rows
+        of its logits and vocab their width."""
+        if self._masks is None:
+            from bucketserve.engine.structured import GrammarMasks
+
+            self._masks = GrammarMasks()
+        self._masks.start(rows, states, b, vocab, torch.device(device))
+
     # -- logit processing -------------------------------------------------------------------
 
     def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

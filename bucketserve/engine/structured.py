@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -184,6 +185,47 @@ class GrammarState:
         return ok
 
 
+class _FillJob:
+    def __init__(self, batch: xgr.BatchGrammarMatcher, matchers: list, bitmask: torch.Tensor,
+                 rows: list[int]) -> None:
+        self.args = (matchers, bitmask, rows)
+        self.batch = batch
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _FillThread:
+    """One daemon thread that runs xgrammar batch fills. `submit` returns once the thread is
+    about to enter xgrammar (which releases the GIL): the fill starts at once instead of
+    waiting for the caller's Python to give the GIL up at the switch interval."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_FillJob] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="grammar-fill", daemon=True).start()
+
+    def submit(self, job: _FillJob) -> _FillJob:
+        self._jobs.put(job)
+        job.started.wait()
+        return job
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            job.started.set()
+            try:
+                job.batch.batch_fill_next_token_bitmask(*job.args)
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's wait
+                job.error = exc
+            finally:
+                job.done.set()
+
+
 class GrammarMasks:
     """Applies the rows' grammar masks to a step's logits (the sampler holds one).
 
@@ -205,6 +247,9 @@ class GrammarMasks:
         # before, and then the index is neither rebuilt nor copied again
         self._index_rows: list[int] | None = None
         self._text: tuple[torch.Tensor, torch.Tensor] | None = None  # text mask: host, device
+        self._worker: _FillThread | None = None
+        # a fill started by `start`: (rows, states, bitmask, index, job)
+        self._pending: tuple | None = None
 
     def _buffers(self, rows: int, vocab: int, device: torch.device):
         words = (vocab + 31) // 32
@@ -221,24 +266,67 @@ class GrammarMasks:
         self._turn = (self._turn + 1) % len(self._host)
         return self._host[self._turn]
 
+    def _batch_matcher(self) -> xgr.BatchGrammarMatcher:
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(min(8, max(1, (os.cpu_count() or 2) // 2)))
+        return self._batch
+
+    def start(self, rows: list[int], states: list[GrammarState], b: int, vocab: int,
+              device: torch.device) -> None:
+        """Starts the fill of these rows' masks on the fill thread (LLMEngine.overlap_fill), for a
+        coming `apply` to logits [b, vocab] on `device` with the same rows and states, which
+        then waits for it instead of filling. The matchers must not change in between."""
+        if self._pending is not None:  # a fill no apply took (its buffer is reused below)
+            self._pending[4].wait()
+            self._pending = None
+        live = [(r, st) for r, st in zip(rows, states, strict=True) if not st.terminated]
+        if len(live) < 2:
+            return
+        rows, states = [r for r, _ in live], [st for _, st in live]
+        bitmask, index = self._buffers(b, vocab, device)
+        if self._worker is None:
+            self._worker = _FillThread()
+        job = self._worker.submit(_FillJob(self._batch_matcher(),
+                                           [st.matcher for st in states], bitmask, rows))
+        self._pending = (rows, states, bitmask, index, job)
+
+    def _take_pending(self, rows: list[int], states: list[GrammarState], b: int, words: int):
+        """The started fill's (bitmask, index) when it is this apply's, after waiting for it;
+        else None (a started fill that is not is waited for and dropped)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        p_rows, p_states, bitmask, index, job = pending
+        job.wait()
+        if (p_rows == rows and len(p_states) == len(states)
+                and all(a is c for a, c in zip(p_states, states, strict=True))
+                and bitmask.shape[0] >= b and bitmask.shape[1] == words):
+            return bitmask, index
+        return None
+
     def apply(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
         """logits [B, V] in place: each row in `rows` keeps only the tokens its matcher allows
         (a row whose grammar has ended is left alone: its token is dropped)."""
         matchers = [st.matcher for st in states if not st.terminated]
         if not matchers:
+            if self._pending is not None:  # (never started for rows that all ended)
+                self._pending[4].wait()
+                self._pending = None
             return
         if len(matchers) != len(rows):
             rows = [r for r, st in zip(rows, states, strict=True) if not st.terminated]
             states = [st for st in states if not st.terminated]
         b, vocab = logits.shape
-        bitmask, index = self._buffers(b, vocab, logits.device)
         n = len(rows)
-        if n > 1:  # xgrammar fills the rows on its own threads, in one call
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(min(8, max(1, (os.cpu_count() or 2) // 2)))
-            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        started = self._take_pending(rows, states, b, (vocab + 31) // 32)
+        if started is not None:
+            bitmask, index = started
         else:
-            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+            bitmask, index = self._buffers(b, vocab, logits.device)
+            if n > 1:  # xgrammar fills the rows on its own threads, in one call
+                self._batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            else:
+                matchers[0].fill_next_token_bitmask(bitmask, rows[0])
         new_index = rows != self._index_rows
         if new_index:
             index.numpy()[:n] = rows
