@@ -423,7 +423,10 @@ class LLMEngine:
                 seq = seqs[i]
                 if seq.grammar is not None and seq.status is not FINISHED:
                     accepted[j] = seq.grammar.accept(token)
-            start_masks()
+            try:
+                start_masks()
+            except Exception:  # noqa: BLE001 - the sampling then fills the masks itself
+                log.exception("starting the grammar masks on the fill thread failed")
         faults = self.faults
         logprobs = out.logprobs
         on_sampled, on_text = self.scheduler.on_sampled, self.outputs.on_text
