@@ -5,8 +5,10 @@ Builds 128 matchers of one JSON-schema grammar over the SmolLM2 vocabulary (--to
 with its tokenizer.json), each part-way through a document, and times: the batch fill alone
 (`BatchGrammarMatcher.batch_fill_next_token_bitmask`, --threads threads, --calls calls), a
 stretch of pure Python of the same length alone, and both at once (the fills on a thread, the
-Python on the main thread). If the fill released the GIL, both at once would take about as
-long as one of them on a machine with a core for each; holding it, the sum or more.
+Python on the main thread). Read with care: "both at once" also counts the fill thread
+waiting for the GIL before each call (up to Python's 5 ms switch interval while the main
+thread runs Python), so a sum does not mean the fill holds the GIL; it releases it
+(bench/grammar_fill_cpu.py measures the main thread's stalls, docs/structured-output.md).
 
     python bench/xgrammar_gil_cpu.py --tok DIR [--threads 1] [--calls 200]
 """

@@ -276,9 +276,7 @@ class GrammarMasks:
         """Starts the fill of these rows' masks on the fill thread (LLMEngine.overlap_fill), for a
         coming `apply` to logits [b, vocab] on `device` with the same rows and states, which
         then waits for it instead of filling. The matchers must not change in between."""
-        if self._pending is not None:  # a fill no apply took (its buffer is reused below)
-            self._pending[4].wait()
-            self._pending = None
+        self._take_pending()  # a fill no apply took: its buffer may be reused below
         live = [(r, st) for r, st in zip(rows, states, strict=True) if not st.terminated]
         if len(live) < 2:
             return
@@ -290,15 +288,17 @@ class GrammarMasks:
                                            [st.matcher for st in states], bitmask, rows))
         self._pending = (rows, states, bitmask, index, job)
 
-    def _take_pending(self, rows: list[int], states: list[GrammarState], b: int, words: int):
-        """The started fill's (bitmask, index) when it is this apply's, after waiting for it;
-        else None (a started fill that is not is waited for and dropped)."""
+    def _take_pending(self, rows: list[int] | None = None,
+                      states: list[GrammarState] | None = None, b: int = 0, words: int = 0):
+        """Waits for the started fill, if any, and drops it. Returns its (bitmask, index) when
+        it is the one of these rows and states on [b, words] buffers, else None."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
         p_rows, p_states, bitmask, index, job = pending
         job.wait()
-        if (p_rows == rows and len(p_states) == len(states)
+        if (rows is not None and states is not None and p_rows == rows
+                and len(p_states) == len(states)
                 and all(a is c for a, c in zip(p_states, states, strict=True))
                 and bitmask.shape[0] >= b and bitmask.shape[1] == words):
             return bitmask, index
@@ -309,9 +309,7 @@ class GrammarMasks:
         (a row whose grammar has ended is left alone: its token is dropped)."""
         matchers = [st.matcher for st in states if not st.terminated]
         if not matchers:
-            if self._pending is not None:  # (never started for rows that all ended)
-                self._pending[4].wait()
-                self._pending = None
+            self._take_pending()  # (none is started for rows that all ended)
             return
         if len(matchers) != len(rows):
             rows = [r for r, st in zip(rows, states, strict=True) if not st.terminated]
@@ -347,23 +345,23 @@ class GrammarMasks:
         """ANDs each row's `text_mask` into its bitmask row (where the mask will be applied).
         The usual step has one (the JSON one) for every row: one op over the buffer, whose
         rows outside `rows` are never applied."""
-        words = bitmask.shape[1]
-
-        def fitted(t: torch.Tensor) -> torch.Tensor:  # to the logits' width, on their device
-            if t.shape[0] < words:  # ids past the mask's vocabulary stay allowed
-                t = torch.cat([t, t.new_full((words - t.shape[0],), -1)])
-            return t[:words].to(bitmask.device)
-
         first = states[0].text_mask
         if all(st.text_mask is first for st in states):
             if first is None:
                 return
             if self._text is None or self._text[0] is not first:
-                self._text = (first, fitted(first))
+                self._text = (first, _fitted(first, bitmask))
             bitmask &= self._text[1]
             return
         for r, st in zip(rows, states, strict=True):  # mixed kinds: row by row
             if st.text_mask is not None:
-                bitmask[r] &= fitted(st.text_mask)
+                bitmask[r] &= _fitted(st.text_mask, bitmask)
 
 
+def _fitted(mask: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A text mask cut or padded (ids past its vocabulary stay allowed) to the bitmask's
+    width, on its device."""
+    words = bitmask.shape[1]
+    if mask.shape[0] < words:
+        mask = torch.cat([mask, mask.new_full((words - mask.shape[0],), -1)])
+    return mask[:words].to(bitmask.device)
