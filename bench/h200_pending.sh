@@ -56,12 +56,17 @@ structured)
   [ -d $M ] || python3 bench/make_random_model.py --shape llama-1b --tok "$TOK" --out $M \
     --device cuda > "$O/make.log" 2>&1 || { tail "$O/make.log"; exit 1; }
   printf '[kv_cache]\nprefix_caching = false\n' > /tmp/ours.toml
+  # the host around each run: load, CPU steal (jiffies, cumulative) and bucketserve
+  # processes left from an earlier run (schema runs varied 31-40k tok/s between servers)
+  host() { echo "host $1: load $(cut -d' ' -f1-3 /proc/loadavg) steal $(awk '/^cpu /{print $9}' /proc/stat) left $(pgrep -fc 'bucketserve.server|bucketserve-' || true)"; }
   one() {  # tag code [BUCKETSERVE_OVERLAP_FILL]
     echo "== $1 $(date +%T) $(which_package "$2") overlap_fill=${3:-0}"
+    host before
     (cd /tmp && BUCKETSERVE_OVERLAP_FILL=${3:-0} PYTHONPATH=$2:/tmp/site timeout "${T_RUN:-150}" python3 "$R/bench/structured_gpu.py" \
       --repeats "$REPEATS" --out "$O/structured_$1.json" --base-url http://127.0.0.1:8200 \
       --server-cmd "python3 -m bucketserve.server.cli serve --model $M --embedding-model none \
       --device cuda --port 8200 --buckets /tmp/ours.toml" > "$O/server_$1.log" 2>&1)
+    host after
     grep -h "tok_s_ratio\|^plain:\|core loop" "$O/server_$1.log" | cut -c1-300
     save
   }

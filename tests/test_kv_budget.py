@@ -93,3 +93,55 @@ def test_own_memory_outside_torch_reads_nvml_for_this_pid(monkeypatch) -> None:
     assert kv_budget.own_memory_outside_torch("cuda") == (700 * 2**20, "NVML")
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not importable
     assert kv_budget.own_memory_outside_torch("cuda")[1] == "estimate"
+
+
+def test_front_end_encoders_come_off_the_share_not_twice_off_the_free_memory() -> None:
+    """The case of the 80 GB card with 8 API workers each holding an encoder (0.8 GiB): the
+    pool once took 0.9 of the device and the workers' encoders ran out of memory. Their
+    bytes now come off the server's share; the free reading already lacks them."""
+    total, own, peak, workers = 80 * GIB, GIB, 17 * GIB, 8 * (4 * GIB // 5)
+    mem = GpuMemory(total=total, free=total - own - peak - workers, reserved=peak,
+                    own_outside=own, peak=peak)
+    blocks, info = kv_budget_blocks(mem, 0.9, BLOCK, min_blocks=10, reserve_bytes=RESERVE,
+                                    frontend_bytes=workers)
+    assert blocks == int((0.9 * total - own - peak - workers - RESERVE) // BLOCK)
+    assert info["bound"] == "fraction" and info["frontend_gib"] == workers / GIB
+    before, _ = kv_budget_blocks(mem, 0.9, BLOCK, min_blocks=10, reserve_bytes=RESERVE)
+    assert (before - blocks) * BLOCK == pytest.approx(workers, abs=BLOCK)
+    # what is left on the device after the pool: the share's tenth, not less
+    assert total - own - peak - workers - blocks * BLOCK >= 0.1 * total
+
+
+def test_the_core_waits_for_every_front_end_report_and_sums_them(tmp_path) -> None:
+    import threading
+    import time
+
+    from bucketserve.engine.kv_budget import wait_frontend_reports, write_frontend_report
+
+    write_frontend_report(str(tmp_path), 0, 3 * GIB)
+
+    def late() -> None:
+        time.sleep(0.3)
+        write_frontend_report(str(tmp_path), 1, GIB // 2)
+
+    t = threading.Thread(target=late)
+    t.start()
+    t0 = time.monotonic()
+    assert wait_frontend_reports(str(tmp_path), 2, timeout_s=10.0) == 3 * GIB + GIB // 2
+    assert time.monotonic() - t0 >= 0.25  # it waited for the second
+    t.join()
+    with pytest.raises(TimeoutError, match=r"front ends \[2\] did not report"):
+        wait_frontend_reports(str(tmp_path), 3, timeout_s=0.2)
+
+
+def test_only_a_gpu_encoder_makes_the_front_end_load_first() -> None:
+    from bucketserve.server.startup import frontend_uses_gpu
+
+    def args(device: str, emb: str = "none", rerank: str | None = None):
+        return types.SimpleNamespace(device=device, embedding_model=emb, rerank_model=rerank)
+
+    assert frontend_uses_gpu(args("cuda", "all-minilm-l6-v2"))
+    assert frontend_uses_gpu(args("cuda", rerank="some-cross-encoder"))
+    assert not frontend_uses_gpu(args("cuda"))
+    assert not frontend_uses_gpu(args("cuda", "None"))
+    assert not frontend_uses_gpu(args("cpu", "all-minilm-l6-v2"))

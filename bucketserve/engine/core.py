@@ -284,8 +284,17 @@ def build_engine(options: EngineOptions, faults: FaultPlan | None = None,
     loaded = load_model(options.model, device=device, dtype=torch_dtype, quantization=quant.weights)
     t_model = time.perf_counter() - t0
     buckets = buckets.check_model(loaded.max_model_len)
+    frontend = options.frontend_gpu_bytes
+    if options.frontend_gpu_count and options.frontend_gpu_dir:
+        from bucketserve.engine.kv_budget import wait_frontend_reports
+
+        t1 = time.perf_counter()
+        frontend += wait_frontend_reports(options.frontend_gpu_dir, options.frontend_gpu_count)
+        log.info("%d front ends hold %.2f GiB of the GPU (their encoders; waited %.1f s): "
+                 "counted against gpu_memory_fraction", options.frontend_gpu_count,
+                 frontend / 2**30, time.perf_counter() - t1)
     engine = LLMEngine(loaded, buckets, device, nvtx=options.nvtx, quant=quant, faults=faults,
-                       cpu=cpu)
+                       cpu=cpu, frontend_gpu_bytes=frontend)
     bm = engine.block_manager
     log.info("model %s loaded in %.1f s (max_model_len %d); KV pool: %d blocks of %d tokens",
              engine.model_name, t_model, engine.max_model_len, bm.num_usable_blocks, bm.block_size)

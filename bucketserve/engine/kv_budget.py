@@ -67,21 +67,26 @@ class GpuMemory:
 
 
 def kv_budget_blocks(mem: GpuMemory, fraction: float, bytes_per_block: int, min_blocks: int,
-                     reserve_bytes: int, graph_act: int = 0) -> tuple[int, dict]:
-    """KV blocks for this process: `fraction` of the device is this process's whole share
-    (as vLLM's gpu_memory_utilization), so the pool gets the share less what the process
-    already holds (own_outside + peak) and what it keeps back (reserve_bytes, graph_act),
-    capped at the device's free memory less the same keep-back (other processes on the GPU
-    are not counted against the share; what they hold is not free). Raises ValueError when
-    the pool would hold fewer than `min_blocks`. Returns (blocks, details for the log)."""
-    share = fraction * mem.total - mem.own_outside - mem.peak - reserve_bytes - graph_act
+                     reserve_bytes: int, graph_act: int = 0,
+                     frontend_bytes: int = 0) -> tuple[int, dict]:
+    """KV blocks for this server: `fraction` of the device is the server's whole share
+    (as vLLM's gpu_memory_utilization), so the pool gets the share less what this process
+    already holds (own_outside + peak), what its own front ends hold on the device
+    (`frontend_bytes`: their embedding / rerank encoders, measured after they loaded) and
+    what it keeps back (reserve_bytes, graph_act), capped at the device's free memory less
+    the same keep-back (other processes on the GPU are not counted against the share; what
+    they hold, the front ends' encoders included, is not free). Raises ValueError when the
+    pool would hold fewer than `min_blocks`. Returns (blocks, details for the log)."""
+    share = (fraction * mem.total - mem.own_outside - mem.peak - frontend_bytes - reserve_bytes
+             - graph_act)
     available = mem.free - reserve_bytes - graph_act
     budget = min(share, available)
     blocks = int(max(0, budget) // bytes_per_block)
     info = {"total_gib": mem.total / GIB, "peak_torch_gib": mem.peak / GIB,
             "own_outside_torch_gib": mem.own_outside / GIB, "free_gib": mem.free / GIB,
             "share_gib": share / GIB, "kv_budget_gib": budget / GIB,
-            "graph_activations_gib": graph_act / GIB, "bound": "fraction"
+            "graph_activations_gib": graph_act / GIB, "frontend_gib": frontend_bytes / GIB,
+            "bound": "fraction"
             if share <= available else "free memory"}
     if blocks < min_blocks:
         need = (min_blocks * bytes_per_block + reserve_bytes + graph_act) / GIB
@@ -90,8 +95,9 @@ def kv_budget_blocks(mem: GpuMemory, fraction: float, bytes_per_block: int, min_
                 f"the KV pool needs at least {min_blocks} blocks (one sequence as long as the "
                 f"largest step) but gpu_memory_fraction {fraction:g} of {mem.total / GIB:.1f}"
                 f" GiB leaves {max(0.0, share) / GIB:.2f} GiB after this process's weights and "
-                f"activations ({mem.peak / GIB:.2f} GiB) and CUDA context "
-                f"({mem.own_outside / GIB:.2f} GiB); raise [kv_cache] gpu_memory_fraction")
+                f"activations ({mem.peak / GIB:.2f} GiB), CUDA context "
+                f"({mem.own_outside / GIB:.2f} GiB) and front-end encoders "
+                f"({frontend_bytes / GIB:.2f} GiB); raise [kv_cache] gpu_memory_fraction")
         raise ValueError(
             f"the KV pool needs at least {min_blocks} blocks (one sequence as long as the "
             f"largest step; {need:.2f} GiB with what start-up keeps back) but only "
@@ -126,7 +132,8 @@ def own_memory_outside_torch(device: torch.device) -> tuple[int, str]:
 def gpu_kv_budget_blocks(model: torch.nn.Module, layout: KVLayout, limits: StepLimits,
                          memory_fraction: float, device: torch.device,
                          reserve_bytes: int = 256 * 2**20,
-                         reserve_graph_activations: bool = False) -> tuple[int, dict]:
+                         reserve_graph_activations: bool = False,
+                         frontend_bytes: int = 0) -> tuple[int, dict]:
     """KV blocks of `layout` that fit in this process's `memory_fraction` of the GPU after a
     warm-up forward (kv_budget_blocks does the arithmetic).
 
@@ -141,8 +148,9 @@ def gpu_kv_budget_blocks(model: torch.nn.Module, layout: KVLayout, limits: StepL
     activations once more (its peak less the model's parameters and buffers): the graphs'
     private pool holds a stage's activations at the largest step, apart from the memory
     that eager steps reuse. The pool must hold at least one sequence as long as the largest
-    step (min(max_num_tokens, max_model_len) tokens), else ValueError. Returns (blocks,
-    details for the log)."""
+    step (min(max_num_tokens, max_model_len) tokens), else ValueError. `frontend_bytes`:
+    what the server's front-end processes hold on this device (wait_frontend_reports),
+    counted against the share. Returns (blocks, details for the log)."""
     block_size, max_model_len = layout.block_size, limits.max_model_len
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -186,12 +194,68 @@ def gpu_kv_budget_blocks(model: torch.nn.Module, layout: KVLayout, limits: StepL
                     own_outside=own_outside, peak=peak)
     blocks, info = kv_budget_blocks(mem, memory_fraction, layout.bytes_per_block(),
                                     min_blocks=1 + per_seq,
-                                    reserve_bytes=reserve_bytes, graph_act=graph_act)
+                                    reserve_bytes=reserve_bytes, graph_act=graph_act,
+                                    frontend_bytes=frontend_bytes)
     info.update(warmup_tokens=t, own_outside_source=source)
     log.info("GPU memory: total %.1f GiB, free %.1f GiB, warm-up peak %.2f GiB, this process "
-             "outside torch %.2f GiB (%s), kept for piecewise graphs %.2f GiB, KV budget %.2f "
-             "GiB (fraction %.2f of the device for this process; bound: %s) -> %d blocks",
+             "outside torch %.2f GiB (%s), front-end encoders %.2f GiB, kept for piecewise "
+             "graphs %.2f GiB, KV budget %.2f GiB (fraction %.2f of the device for this "
+             "server; bound: %s) -> %d blocks",
              info["total_gib"], info["free_gib"], info["peak_torch_gib"],
-             info["own_outside_torch_gib"], source, info["graph_activations_gib"],
-             info["kv_budget_gib"], memory_fraction, info["bound"], blocks)
+             info["own_outside_torch_gib"], source, info["frontend_gib"],
+             info["graph_activations_gib"], info["kv_budget_gib"], memory_fraction,
+             info["bound"], blocks)
     return blocks, info
+
+
+# ---- front ends that hold device memory ------------------------------------------------
+# With an embedding or rerank model on a GPU, every front-end process (--api-workers N)
+# loads its own encoder and CUDA context (~0.8 GiB each for MiniLM, most of it the context).
+# They load before the core sizes its KV pool and report what they hold; the core counts
+# it against gpu_memory_fraction (the server's share), so N encoders fit on an 80 GB card
+# where the pool once took 90% and the last workers' encoders ran out of memory.
+
+FRONTEND_REPORT_TIMEOUT_S = 900.0
+
+
+def process_gpu_bytes(device: torch.device | str = "cuda") -> int:
+    """What this process holds on `device`: torch's reserved memory plus what it holds
+    outside torch (own_memory_outside_torch: NVML, or the context estimate)."""
+    device = torch.device(device)
+    outside, _ = own_memory_outside_torch(device)
+    return torch.cuda.memory_reserved(device) + outside
+
+
+def write_frontend_report(directory: str, index: int, nbytes: int) -> None:
+    """Front end `index` holds `nbytes` on the device (atomic: the core never reads half)."""
+    path = os.path.join(directory, f"frontend-gpu-{index}")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(int(nbytes)))
+    os.replace(path + ".tmp", path)
+
+
+def wait_frontend_reports(directory: str, count: int,
+                          timeout_s: float = FRONTEND_REPORT_TIMEOUT_S,
+                          poll_s: float = 0.05) -> int:
+    """The sum of `count` front ends' reports in `directory` (write_frontend_report), once
+    all are there. TimeoutError after `timeout_s`, or at once when this process's parent
+    (the supervisor) is gone."""
+    import time
+
+    parent = os.getppid()
+    deadline = time.monotonic() + timeout_s
+    paths = [os.path.join(directory, f"frontend-gpu-{k}") for k in range(count)]
+    while True:
+        if all(os.path.exists(p) for p in paths):
+            total = 0
+            for p in paths:
+                with open(p) as f:
+                    total += int(f.read())
+            return total
+        if os.getppid() != parent:
+            raise TimeoutError("the supervisor is gone before the front ends loaded")
+        if time.monotonic() > deadline:
+            missing = [k for k, p in enumerate(paths) if not os.path.exists(p)]
+            raise TimeoutError(f"front ends {missing} did not report their GPU memory within "
+                               f"{timeout_s:.0f} s")
+        time.sleep(poll_s)

@@ -66,7 +66,8 @@ class LLMEngine:
                  num_blocks: int | None = None, cuda_graphs: bool = True,
                  piecewise_graphs: bool = True, async_scheduling: bool | None = None,
                  nvtx: bool = False, quant: QuantPlan | None = None,
-                 faults: FaultPlan | None = None, cpu: CpuPlan | None = None) -> None:
+                 faults: FaultPlan | None = None, cpu: CpuPlan | None = None,
+                 frontend_gpu_bytes: int = 0) -> None:
         """`loaded` is a models.LoadedModel; `num_blocks` overrides the KV budget (tests);
         `faults`: a test's injected failures (engine/faults.py; None in production);
         `cuda_graphs` (CUDA only) captures one decode graph per decode batch size and, with
@@ -79,12 +80,14 @@ class LLMEngine:
         `quant`: the start-up's kernels.quant.QuantPlan (None: resolved here from the model's
         quantization and the TOML's kv_cache.dtype); its KV dtype is the pool's. `cpu`: the
         start-up's kernels.cpu_plan.CpuPlan (None on the CPU: resolved here from the TOML's
-        [cpu] keys)."""
+        [cpu] keys). `frontend_gpu_bytes`: what the server's front ends hold on this GPU
+        (their encoders), counted against gpu_memory_fraction when the KV pool is sized."""
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.max_model_len = loaded.max_model_len
         self.buckets = buckets
+        self.frontend_gpu_bytes = frontend_gpu_bytes
         self.device = torch.device(device)
         # the step token budget on this device ("auto" resolves per device)
         self.max_batched_tokens = buckets.step_token_budget(self.device.type)
@@ -188,7 +191,8 @@ class LLMEngine:
             # sized after a warm-up forward at the largest step (kv_budget.gpu_kv_budget_blocks)
             blocks, _ = gpu_kv_budget_blocks(
                 self.loaded.model, layout, limits, self.buckets.gpu_memory_fraction, self.device,
-                reserve_graph_activations=piecewise_graphs)
+                reserve_graph_activations=piecewise_graphs,
+                frontend_bytes=self.frontend_gpu_bytes)
             return max(2, min(blocks, useful))
         budget = self.buckets.cpu_memory_gib * 2**30
         return max(2, min(int(budget // layout.bytes_per_block()), useful))

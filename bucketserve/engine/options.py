@@ -23,6 +23,12 @@ class EngineOptions:
     cpu_isa: str | None = None  # --cpu-isa (None: the TOML's cpu.isa)
     cpu_gemm: str | None = None  # --cpu-gemm (None: the TOML's cpu.gemm)
     cpu_threads: int | None = None  # --cpu-threads (None: the TOML's cpu.threads)
+    # front ends with an encoder on the GPU: the bytes they hold, known at spawn (one front
+    # end), or reported by `frontend_gpu_count` workers in `frontend_gpu_dir` before the
+    # core sizes its KV pool (engine/kv_budget.py wait_frontend_reports)
+    frontend_gpu_bytes: int = 0
+    frontend_gpu_count: int = 0
+    frontend_gpu_dir: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:

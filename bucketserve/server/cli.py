@@ -24,6 +24,7 @@ from bucketserve.server.app import ENGINE_STOP_S, AddOn, begin_drain, create_app
 from bucketserve.server.options import DTYPES, build_parser  # noqa: F401 (the CLI's API)
 from bucketserve.server.startup import (
     check_quantization,
+    frontend_uses_gpu,
     load_add_ons,
     load_engine,
     prepare_cpu,
@@ -66,7 +67,7 @@ def resolve_api_workers(args: argparse.Namespace) -> None:
 
 
 def serve(args: argparse.Namespace, seams: Seams | None = None) -> int:
-    from bucketserve.buckets import ConfigError
+    from bucketserve.buckets import ConfigError, load_buckets
     from bucketserve.engine.core_client import CoreStartError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from installed packages only
@@ -84,13 +85,26 @@ def serve(args: argparse.Namespace, seams: Seams | None = None) -> int:
         from bucketserve.server.workers import serve_workers
 
         return serve_workers(args, load_add_ons, run_http, seams)
+    # an encoder on the GPU loads first, so that the core's KV pool leaves room for it
+    early = frontend_uses_gpu(args) and not args.engine_in_process
+    add_ons, held = None, 0
+    if early:
+        try:
+            add_ons = load_add_ons(args, load_buckets(args.buckets), seams)
+        except (ConfigError, FileNotFoundError, ValueError) as exc:
+            print(f"bucketserve: error: {exc}", file=sys.stderr)
+            return 2
+        from bucketserve.engine.kv_budget import process_gpu_bytes
+
+        held = process_gpu_bytes(args.device)
     try:
-        engine, buckets = load_engine(args, seams)
+        engine, buckets = load_engine(args, seams, frontend_gpu_bytes=held)
     except (ConfigError, FileNotFoundError, ValueError, CoreStartError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        add_ons = load_add_ons(args, buckets, seams)
+        if add_ons is None:
+            add_ons = load_add_ons(args, buckets, seams)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
         if not args.engine_in_process:

@@ -5,6 +5,7 @@ server/workers.py) and the Ray replicas (server/ray_deploy.py)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 
@@ -66,10 +67,19 @@ def prepare_cpu(args: argparse.Namespace) -> None:
         log.info("CPU ISA forced: %s", " ".join(f"{k}={v}" for k, v in env.items()))
 
 
-def load_engine(args: argparse.Namespace, seams: Seams | None = None):
+def frontend_uses_gpu(args: argparse.Namespace) -> bool:
+    """Whether the front end loads an encoder (embeddings, rerank) onto a GPU: then it loads
+    before the engine core sizes its KV pool, and the core counts what it holds."""
+    return args.device.startswith("cuda") and (args.embedding_model.lower() != "none"
+                                               or bool(args.rerank_model))
+
+
+def load_engine(args: argparse.Namespace, seams: Seams | None = None,
+                frontend_gpu_bytes: int = 0):
     """The engine core (its own process unless --engine-in-process), loaded and warmed up,
     and the buckets config; returns a started-not-yet AsyncEngine. `seams`: what a test or
-    benchmark passes in (engine/faults.py; None in production)."""
+    benchmark passes in (engine/faults.py; None in production). `frontend_gpu_bytes`: what
+    this front end already holds on the GPU (its encoders), counted in the core's share."""
     from bucketserve.buckets import load_buckets
     from bucketserve.engine.async_engine import AsyncEngine
     from bucketserve.engine.core import build_engine
@@ -77,7 +87,8 @@ def load_engine(args: argparse.Namespace, seams: Seams | None = None):
 
     load_buckets(args.buckets)  # a bad file fails here, before a process is started
     seams = seams or Seams()
-    options = EngineOptions.from_args(args)
+    options = dataclasses.replace(EngineOptions.from_args(args),
+                                  frontend_gpu_bytes=frontend_gpu_bytes)
     if args.engine_in_process:
         core = build_engine(options, seams.faults)
         if seams.prepare_engine is not None:

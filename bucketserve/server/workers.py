@@ -25,7 +25,9 @@ front end sustains on a CPU). So the front end can run in N processes:
   others are stopped the same way and this process exits non-zero (a supervisor restarts
   the whole server; a core that kept the dead worker's requests would waste the GPU).
 - Embeddings: every worker loads its own encoder and batcher (MiniLM: 90 MB of weights; on
-  CUDA each process captures its own graphs), so the N front ends also share the
+  CUDA each process captures its own graphs; there the workers load it before they attach
+  and report what they hold, and the core waits for the N reports before it sizes its KV
+  pool: engine/kv_budget.py wait_frontend_reports), so the N front ends also share the
   /v1/embeddings work: each batches the requests of its own connections (batches are up to
   N times smaller at the same load; on a GPU the host side, not the device, was the limit).
   On the CPU each worker's encoder gets cores / N torch threads. The embedding series of
@@ -36,6 +38,7 @@ front end sustains on a CPU). So the front end can run in N processes:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -73,6 +76,7 @@ def serve_workers(args: argparse.Namespace, load_add_ons: Callable, run_http: Ca
     from bucketserve.buckets import ConfigError, load_buckets
     from bucketserve.engine.core_client import spawn_core
     from bucketserve.engine.options import EngineOptions
+    from bucketserve.server.startup import frontend_uses_gpu
 
     n = args.api_workers
     if args.engine_in_process:
@@ -88,7 +92,10 @@ def serve_workers(args: argparse.Namespace, load_add_ons: Callable, run_http: Ca
     directory = tempfile.mkdtemp(prefix="bucketserve-")
     metrics_dir = os.path.join(directory, "metrics")
     os.mkdir(metrics_dir)
-    core = spawn_core(EngineOptions.from_args(args), directory, n, seams)
+    options = EngineOptions.from_args(args)
+    if frontend_uses_gpu(args):  # each worker's encoder loads first and reports its memory
+        options = dataclasses.replace(options, frontend_gpu_count=n, frontend_gpu_dir=directory)
+    core = spawn_core(options, directory, n, seams)
     log.info("engine core started in process %d; %d API workers", core.pid, n)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers
     ctx = multiprocessing.get_context("spawn")
@@ -171,12 +178,27 @@ def run_worker(args: argparse.Namespace, index: int, directory: str, core_pid: i
     from bucketserve.engine.core_client import CoreStartError, ProcessCore
     from bucketserve.kernels.cpu_threads import usable_cores
     from bucketserve.server.protocol import set_worker_id_tag
+    from bucketserve.server.startup import frontend_uses_gpu
 
     embeds = args.embedding_model.lower() != "none"
     # no generation work here; the embedding encoder's share of the cores on a CPU
     threads = max(1, usable_cores() // args.api_workers)
     torch.set_num_threads(threads if embeds and args.device == "cpu" else 1)
     set_worker_id_tag(index)
+    add_ons = None
+    if frontend_uses_gpu(args):
+        # the encoder first: the core waits for every worker's report of what it holds on
+        # the GPU before it sizes its KV pool (engine/kv_budget.py wait_frontend_reports)
+        from bucketserve.engine.kv_budget import process_gpu_bytes, write_frontend_report
+
+        try:
+            add_ons = load_add_ons(args, load_buckets(args.buckets), seams)
+        except (ConfigError, FileNotFoundError, ValueError) as exc:
+            print(f"bucketserve: error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        held = process_gpu_bytes(args.device)
+        log.info("encoders loaded: this front end holds %.2f GiB of the GPU", held / 2**30)
+        write_frontend_report(directory, index, held)
     try:
         core = ProcessCore.attach(directory, index, core_pid)
     except CoreStartError as exc:
@@ -186,8 +208,9 @@ def run_worker(args: argparse.Namespace, index: int, directory: str, core_pid: i
         log.info("engine core ready in process %d", core.pid)
     engine = AsyncEngine(core, seams.faults if seams else None)
     try:
-        add_ons = load_add_ons(args, load_buckets(args.buckets,
-                                                  max_model_len=engine.max_model_len), seams)
+        if add_ons is None:
+            add_ons = load_add_ons(args, load_buckets(args.buckets,
+                                                      max_model_len=engine.max_model_len), seams)
         sock = listening_socket(args.host, args.port)
     except (ConfigError, FileNotFoundError, ValueError, OSError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
