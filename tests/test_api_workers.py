@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -132,6 +134,15 @@ def test_two_workers_both_serve_embeddings(tmp_path) -> None:
         # every answer belongs to its own text: distinct texts, distinct vectors
         sims = vecs @ vecs.T / np.outer(np.linalg.norm(vecs, axis=1), np.linalg.norm(vecs, axis=1))
         assert (sims[~np.eye(len(texts), dtype=bool)] < 0.9999).all()
+        # /metrics from either worker counts both workers' embeddings (each publishes its
+        # batcher's totals every 50 ms; a scrape sums its own with the other's)
+        time.sleep(0.5)
+        for _ in range(8):  # new connections: the kernel spreads them over the workers
+            text = httpx.get(srv.base_url + "/metrics", timeout=30).text
+            values = {name: float(v) for name, v in re.findall(
+                r"^(bucketserve_embedding_(?:inputs|requests)_total) (\S+)$", text, flags=re.M)}
+            assert values == {"bucketserve_embedding_inputs_total": 2.0 * len(texts),
+                              "bucketserve_embedding_requests_total": float(len(texts))}, values
         assert srv.stop() == 0, srv.log()
     finally:
         if srv.proc.poll() is None:

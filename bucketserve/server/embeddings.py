@@ -21,10 +21,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import glob
 import itertools
 import json
 import logging
 import math
+import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
@@ -149,23 +152,100 @@ class CoalescingTokenizer:
         return results
 
 
-class BatcherStatsCollector(Collector):
-    """The batcher's running totals as Prometheus metrics, read on every scrape."""
+STATS_PUBLISH_S = 0.05  # how often a front end writes its batcher totals for the others
 
-    def __init__(self, batcher: EmbeddingBatcher) -> None:
+
+def _stats_snapshot(batcher: EmbeddingBatcher) -> dict[str, Any]:
+    """The batcher's running totals (and its waiting requests) as plain JSON-able values."""
+    s = batcher.stats
+    return {"batches_per_bucket": dict(s.batches_per_bucket),
+            "batch_size_counts": dict(s.batch_size_counts),
+            "computed_tokens": s.computed_tokens, "useful_tokens": s.useful_tokens,
+            "num_inputs": s.num_inputs, "num_requests": s.num_requests,
+            "queue_delay_counts": list(s.queue_delay_counts),
+            "queue_delay_sum_s": s.queue_delay_sum_s, "encoder_s": s.encoder_s,
+            "merged_batches": s.merged_batches, "deadline_misses": s.deadline_misses,
+            "waiting": batcher.num_waiting_requests}
+
+
+def _add_snapshot(total: dict[str, Any], other: dict[str, Any]) -> None:
+    """Adds `other` (read back from JSON: its dicts' keys are strings) into `total`."""
+    for key, value in other.items():
+        if isinstance(value, dict):
+            into = total[key]
+            for k, v in value.items():
+                into[int(k)] = into.get(int(k), 0) + v
+        elif isinstance(value, list):
+            total[key] = [a + b for a, b in zip(total[key], value, strict=True)]
+        else:
+            total[key] += value
+
+
+class BatcherStatsCollector(Collector):
+    """The batcher's running totals as Prometheus metrics, read on every scrape.
+
+    With several front ends (`serve --api-workers N`, prometheus multiprocess mode) each has
+    its own batcher; then each also writes its totals to `shared_dir` (every
+    STATS_PUBLISH_S while they change, on a daemon thread) and a scrape sums its own live
+    totals with the other front ends' latest files, so any worker's /metrics shows the
+    whole server's embeddings (the others' as of at most STATS_PUBLISH_S ago)."""
+
+    def __init__(self, batcher: EmbeddingBatcher, shared_dir: str | None = None) -> None:
         self.batcher = batcher
+        self.shared_dir = shared_dir
+        self._path = (os.path.join(shared_dir, f"embedding-stats-{os.getpid()}.json")
+                      if shared_dir else None)
+        self._published: dict[str, Any] | None = None
+        if shared_dir:
+            self.publish()
+            threading.Thread(target=self._publish_loop, name="embedding-stats",
+                             daemon=True).start()
+
+    def publish(self) -> None:
+        """Writes this front end's totals for the others, when they changed (atomically)."""
+        snap = _stats_snapshot(self.batcher)
+        if snap == self._published or self._path is None:
+            return
+        tmp = self._path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(snap, f)
+        os.replace(tmp, self._path)
+        self._published = snap
+
+    def _publish_loop(self) -> None:
+        while True:
+            time.sleep(STATS_PUBLISH_S)
+            try:
+                self.publish()
+            except OSError as exc:  # the directory is gone: the server is stopping
+                log.debug("embedding stats not published: %s", exc)
+                return
+
+    def totals(self) -> dict[str, Any]:
+        """This front end's totals, plus every other front end's latest (multiprocess)."""
+        total = _stats_snapshot(self.batcher)
+        if self.shared_dir:
+            for path in glob.glob(os.path.join(self.shared_dir, "embedding-stats-*.json")):
+                if path == self._path:
+                    continue
+                try:
+                    with open(path) as f:
+                        _add_snapshot(total, json.load(f))
+                except (OSError, ValueError) as exc:  # a worker's file mid-replace: skip it
+                    log.debug("embedding stats of %s not read: %s", path, exc)
+        return total
 
     def collect(self) -> Iterator[Any]:
         b = self.batcher
-        s = b.stats
-        per_bucket = dict(s.batches_per_bucket)
+        t = self.totals()
+        per_bucket = t["batches_per_bucket"]
         batches = CounterMetricFamily("bucketserve_embedding_batches",
                                       "Encoder batches run, per bucket length.", labels=["bucket"])
         for bucket in b.spec.boundaries:
             batches.add_metric([str(bucket)], per_bucket.get(bucket, 0))
         yield batches
 
-        sizes = dict(s.batch_size_counts)
+        sizes = t["batch_size_counts"]
         yield HistogramMetricFamily("bucketserve_embedding_batch_size",
                                     "Inputs per encoder batch.",
                                     buckets=size_buckets(sizes, b.queue.preferred_batch_size),
@@ -173,26 +253,27 @@ class BatcherStatsCollector(Collector):
         yield HistogramMetricFamily("bucketserve_embedding_queue_delay_seconds",
                                     "Time an input waited in its bucket before its batch ran.",
                                     buckets=slot_buckets(QUEUE_DELAY_BUCKETS,
-                                                         list(s.queue_delay_counts)),
-                                    sum_value=s.queue_delay_sum_s)
+                                                         t["queue_delay_counts"]),
+                                    sum_value=t["queue_delay_sum_s"])
         for name, value, doc in (
-            ("bucketserve_embedding_computed_tokens", s.computed_tokens,
+            ("bucketserve_embedding_computed_tokens", t["computed_tokens"],
              "Tokens run through the encoder, bucket padding included."),
-            ("bucketserve_embedding_useful_tokens", s.useful_tokens, "Real input tokens encoded."),
-            ("bucketserve_embedding_inputs", s.num_inputs, "Inputs encoded."),
-            ("bucketserve_embedding_requests", s.num_requests, "Embedding requests accepted."),
-            ("bucketserve_embedding_encoder_seconds", s.encoder_s,
+            ("bucketserve_embedding_useful_tokens", t["useful_tokens"],
+             "Real input tokens encoded."),
+            ("bucketserve_embedding_inputs", t["num_inputs"], "Inputs encoded."),
+            ("bucketserve_embedding_requests", t["num_requests"],
+             "Embedding requests accepted."),
+            ("bucketserve_embedding_encoder_seconds", t["encoder_s"],
              "Wall time the encoder spent running batches."),
-            ("bucketserve_embedding_merged_batches", s.merged_batches,
+            ("bucketserve_embedding_merged_batches", t["merged_batches"],
              "Batches merged from several buckets (embedding.max_merged_padding)."),
-            ("bucketserve_embedding_deadline_misses", s.deadline_misses,
+            ("bucketserve_embedding_deadline_misses", t["deadline_misses"],
              "Inputs whose batch finished after their deadline (latency_slo_ms or the "
              "X-Request-Deadline-Ms header)."),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("bucketserve_embedding_requests_waiting",
-                                "Embedding requests queued or running.",
-                                value=b.num_waiting_requests)
+                                "Embedding requests queued or running.", value=t["waiting"])
 
 
 class EncoderService:
@@ -237,7 +318,9 @@ class EmbeddingService(EncoderService):
         super().__init__(loaded, buckets)
         self.batcher.faults = faults
         self.max_inputs = buckets.embedding.max_inputs_per_request
-        self.metrics_collector = BatcherStatsCollector(self.batcher)
+        # several front ends: each publishes its totals, any /metrics sums them
+        self.metrics_collector = BatcherStatsCollector(
+            self.batcher, os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None)
         self.tokenizer = CoalescingTokenizer(loaded.tokenizer.encode_batch)
         # the service as a plain ASGI app (a class instance: starlette's Route calls it as it
         # is, without its request/response wrapping), and FastAPI's route for the other bodies

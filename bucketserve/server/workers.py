@@ -31,8 +31,9 @@ front end sustains on a CPU). So the front end can run in N processes:
   /v1/embeddings work: each batches the requests of its own connections (batches are up to
   N times smaller at the same load; on a GPU the host side, not the device, was the limit).
   On the CPU each worker's encoder gets cores / N torch threads. The embedding series of
-  /metrics (bucketserve_embedding_*) are those of the worker that answers the scrape, and
-  each embeddings response names its worker in the header X-Bucketserve-Worker.
+  /metrics (bucketserve_embedding_*) are summed over the workers (each publishes its
+  batcher's totals every 50 ms: server/embeddings.py BatcherStatsCollector), and each
+  embeddings response names its worker in the header X-Bucketserve-Worker.
 """
 
 from __future__ import annotations
