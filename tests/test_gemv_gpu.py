@@ -206,3 +206,62 @@ def test_fp8_projections_take_the_rows_kernel_where_chosen():
     info = model.use_gemv("auto")
     rows = [v for k, v in info.items() if k.endswith("(fp8, 2..64 rows)")]
     assert rows and all("choice" in r for r in rows)
+
+
+@pytest.mark.parametrize("m", [65, 256, 300, 1024])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (77, 300), (4096, 14336)])
+def test_fp8_tiles_match_the_w8a8_product_for_every_config(m, n, k):
+    """triton_fp8_gemm.fp8_mm (65+ rows) against the float32 W8A8 product of the same
+    quantized operands, every config, K-tile sums promoted to float32; repeatable. With the
+    MMA's own accumulation (promote False) the error stays within the bf16 output's rounding."""
+    pytest.importorskip("triton")
+    if not _fp8_gpu():
+        pytest.skip("needs FP8 tensor cores")
+    from bucketserve.kernels import triton_fp8_gemm
+    from bucketserve.kernels.fp8 import quantize_fp8_per_channel
+    from bucketserve.kernels.fp8_ops import quantize_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(m * n + k)
+    w, ws = quantize_fp8_per_channel(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+    q, s = quantize_rows(torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16))
+    ref = (q.float() * s) @ (w.float() * ws[:, None]).t()
+    scale = ref.abs().max().item()
+    for cfg in triton_fp8_gemm.CONFIGS:
+        y = triton_fp8_gemm.fp8_mm(q, s, w, ws, cfg, promote=True, out_dtype=torch.float32)
+        assert y.shape == (m, n)
+        err = (y - ref).abs().max().item()
+        assert err <= 2e-4 * scale + 1e-6, (cfg, err, scale)
+        assert torch.equal(triton_fp8_gemm.fp8_mm(q, s, w, ws, cfg, out_dtype=torch.float32),
+                           y), cfg
+        fast = triton_fp8_gemm.fp8_mm(q, s, w, ws, cfg, promote=False, out_dtype=torch.float32)
+        assert (fast - ref).abs().max().item() <= 4e-3 * scale + 1e-6, cfg
+
+
+def test_fp8_projections_take_the_tiles_where_chosen(monkeypatch):
+    """With BUCKETSERVE_FP8_TILES=1, use_gemv("auto", max_rows) on an FP8 model measures fp8_mm against _scaled_mm per row
+    band up to the band of max_rows and records each; a projection given tiles computes a
+    300-row step as the _scaled_mm path does, to bf16 rounding."""
+    pytest.importorskip("triton")
+    if not _fp8_gpu():
+        pytest.skip("needs FP8 tensor cores")
+    from bucketserve.kernels import triton_fp8_gemm
+    from bucketserve.kernels.triton_attention import TritonAttentionBackend
+    from bucketserve.models.llama import Fp8Linear
+    from bucketserve.models.loader import build_dummy_model
+
+    cfg, _ = _model(torch.bfloat16, tied=True)
+    model = build_dummy_model(cfg, "cuda", torch.bfloat16, attn_backend=TritonAttentionBackend(),
+                              seed=0, quantization="fp8")
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    x = torch.randn(300, fp8[0].weight.shape[1], device="cuda", dtype=torch.bfloat16)
+    model.use_gemv("off")
+    assert all(m.tiles is None for m in fp8)
+    want = fp8[0](x)
+    assert not any(k.endswith("(fp8, 65+ rows)") for k in model.use_gemv("auto", max_rows=600))
+    monkeypatch.setenv("BUCKETSERVE_FP8_TILES", "1")
+    info = model.use_gemv("auto", max_rows=600)
+    rows = [v for k, v in info.items() if k.endswith("(fp8, 65+ rows)")]
+    assert len(rows) == len({tuple(m.weight.shape) for m in fp8})
+    assert all(sorted(r["bands"]) == [128, 256, 512] for r in rows), rows
+    fp8[0].tiles = {256: None, 512: triton_fp8_gemm.CONFIGS[4]}
+    torch.testing.assert_close(fp8[0](x).float(), want.float(), rtol=2e-2, atol=2e-2)

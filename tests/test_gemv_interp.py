@@ -115,3 +115,63 @@ def test_fp8_rows_match_the_w8a8_reference(m, n, k, config):
     with pytest.raises(ValueError, match="rows"):
         big, bs = quantize_rows_torch(torch.randn(65, k, generator=gen))
         triton_gemv.rows_fp8(big, bs, w, ws, config=config)
+
+
+@pytest.mark.parametrize("promote", [True, False])
+@pytest.mark.parametrize("m, n, k, config", [(70, 90, 300, (32, 32, 64, 2, 4, 2)),
+                                             (129, 64, 256, (64, 32, 128, 8, 4, 3)),
+                                             (5, 200, 128, (16, 64, 64, 1, 4, 2))])
+def test_fp8_gemm_tiles_match_the_w8a8_reference(m, n, k, config, promote):
+    """triton_fp8_gemm.fp8_mm (many FP8 rows, tiles over rows and outputs in grouped order,
+    K-tile sums promoted to float32 or accumulated in the dot) equals the W8A8 product of
+    kernels/fp8_ops.fp8_linear, for row and output counts that are not tile multiples and an
+    uneven K, and refuses operands whose scales do not match."""
+    from triton_interp import interpreted_triton
+
+    interpreted_triton()
+    from bucketserve.kernels import triton_fp8_gemm
+    from bucketserve.kernels.fp8 import quantize_fp8_per_channel
+    from bucketserve.kernels.fp8_ops import fp8_linear, quantize_rows_torch
+
+    gen = torch.Generator().manual_seed(m * n + k)
+    w, ws = quantize_fp8_per_channel(torch.randn(n, k, generator=gen) * 0.05)
+    q, s = quantize_rows_torch(torch.randn(m, k, generator=gen))
+    want = fp8_linear((q, s), w, ws, None, torch.float32)
+    got = triton_fp8_gemm.fp8_mm(q, s, w, ws, config, promote, torch.float32)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    with pytest.raises(ValueError, match="scales"):
+        triton_fp8_gemm.fp8_mm(q, s[:-1], w, ws, config, promote)
+
+
+def test_an_fp8_projection_with_tiles_runs_its_row_bands_through_them():
+    """Fp8Linear with `tiles` set (what use_gemv does per row band where fp8_mm measured
+    faster than _scaled_mm): a step of more than 64 rows in a band that has a config goes
+    through fp8_mm and gives the reference's result; a band without one, and 64 rows or
+    fewer, keep the reference path."""
+    from triton_interp import interpreted_triton
+
+    interpreted_triton()
+    from unittest import mock
+
+    from bucketserve.kernels import triton_fp8_gemm
+    from bucketserve.kernels.fp8 import quantize_fp8_per_channel
+    from bucketserve.models.llama import Fp8Linear
+
+    gen = torch.Generator().manual_seed(11)
+    lin = Fp8Linear(128, 40, bias=False, dtype=torch.float32)
+    w, ws = quantize_fp8_per_channel(torch.randn(40, 128, generator=gen) * 0.05)
+    lin.weight.data, lin.weight_scale.data = w, ws
+    x = torch.randn(200, 128, generator=gen)
+    want = lin(x)  # tiles None: the reference for every row count
+    assert triton_fp8_gemm.band(100) == 128 and triton_fp8_gemm.band(200) == 256
+    assert triton_fp8_gemm.band(10**6) == triton_fp8_gemm.BANDS[-1]
+    lin.tiles = {128: (32, 32, 64, 2, 4, 2), 256: None}
+    with mock.patch.object(triton_fp8_gemm, "fp8_mm", wraps=triton_fp8_gemm.fp8_mm) as spy:
+        got = lin(x[:100])  # band 128
+        assert spy.call_count == 1
+        torch.testing.assert_close(got, want[:100], rtol=1e-4,
+                                   atol=1e-4 * want.abs().max().item())
+        torch.testing.assert_close(lin(x), want)  # band 256: no config
+        torch.testing.assert_close(lin(x[:64]), want[:64])  # 64 rows: not this path
+        assert spy.call_count == 1

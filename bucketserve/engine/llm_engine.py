@@ -142,7 +142,7 @@ class LLMEngine:
             self.cuda_info = self.runner.setup_cuda(
                 decode_sizes, use_cuda_graphs=cuda_graphs, piecewise_sizes=pw,
                 piecewise_choice=buckets.piecewise_choice, mixed_graphs=buckets.mixed_graphs,
-                gemv=buckets.decode_gemv)
+                gemv=buckets.decode_gemv, max_step_tokens=self.max_batched_tokens)
         if async_scheduling is None:
             async_scheduling = buckets.use_async_scheduling(self.device.type)
         self.async_scheduling = async_scheduling

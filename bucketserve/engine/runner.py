@@ -425,7 +425,7 @@ class ModelRunner:
     def setup_cuda(self, decode_batch_sizes: list[int], use_cuda_graphs: bool = True,
                    piecewise_sizes: list[int] | None = None,
                    piecewise_choice: str = "cost", mixed_graphs: str = "full",
-                   gemv: str = "auto") -> dict:
+                   gemv: str = "auto", max_step_tokens: int | None = None) -> dict:
         """Compiles the attention kernels' variants, captures the decode graphs (largest
         first, one pool) and, with `piecewise_sizes` (token counts), the graphs of prefill
         and mixed steps: `mixed_graphs` "full", one graph per token count with attention
@@ -434,7 +434,8 @@ class ModelRunner:
         eager runs at each size (measure_costs) so that each step takes the cheaper; "pad"
         always replays the next captured size. `gemv` ("auto", "on", "off"): one-row
         projections by the Triton GEMV where it measures faster than cuBLAS (use_gemv of
-        the model, before any capture). Returns {"graphs": n, "capture_s": s,
+        the model, before any capture; FP8 projections of more rows are timed up to
+        `max_step_tokens`, the most a step holds). Returns {"graphs": n, "capture_s": s,
         "graph_pool_mib": m, "kernel_warmup_s": s, "mixed_graphs": mode,
         "piecewise_graphs": n, "piecewise_capture_s": s, "piecewise_pool_mib": m,
         "cost_model_s": s, "piecewise_eager_from": n, "gemv": {shape: choice}} for the
@@ -445,7 +446,7 @@ class ModelRunner:
         info: dict = {"graphs": 0, "capture_s": 0.0, "graph_pool_mib": 0.0}
         if hasattr(self.model, "use_gemv"):
             t0 = time.perf_counter()
-            info["gemv"] = self.model.use_gemv(gemv)
+            info["gemv"] = self.model.use_gemv(gemv, max_rows=max_step_tokens)
             info["gemv_s"] = time.perf_counter() - t0
         backend = getattr(self.model, "attn_backend", None)
         if hasattr(backend, "warm_up"):  # compile kernel variants now, not mid-run

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import threading
 
 import torch
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bucketserve.buckets.config import GEMV_MODES
-from bucketserve.kernels import cpu_decode, cpu_quant
+from bucketserve.kernels import cpu_decode, cpu_quant, fp8_ops
 from bucketserve.kernels.attention import AttentionBackend, get_forward_context
 from bucketserve.kernels.cpu_plan import (
     CpuPlan,
@@ -176,6 +177,9 @@ class Fp8Linear(nn.Module):
         # CUDA: rows_fp8 configs for 2..64 rows per row band (triton_gemv.row_band), set the
         # same way; a band without one (None) stays on torch._scaled_mm
         self.rows: dict[int, tuple | None] | None = None
+        # CUDA: kernels/triton_fp8_gemm.fp8_mm configs for more than 64 rows per row band
+        # (triton_fp8_gemm.band), set the same way; a band without one stays on _scaled_mm
+        self.tiles: dict[int, tuple | None] | None = None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -207,6 +211,14 @@ class Fp8Linear(nn.Module):
             if cfg is not None:
                 return rows_fp8(x[0], x[1], self.weight, self.weight_scale, self.out_dtype,
                                 config=cfg)
+        if self.tiles is not None and m > 64:  # (also bias-free only)
+            from bucketserve.kernels import triton_fp8_gemm
+
+            cfg = self.tiles.get(triton_fp8_gemm.band(m))
+            if cfg is not None:
+                return triton_fp8_gemm.fp8_mm(x[0], x[1], self.weight, self.weight_scale, cfg,
+                                              promote=not fp8_ops.FAST_ACCUM,
+                                              out_dtype=self.out_dtype)
         return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
 
 
@@ -662,12 +674,14 @@ class LlamaForCausalLM(nn.Module):
         self.cpu = plan
         return plan
 
-    def use_gemv(self, mode: str = "auto") -> dict:
+    def use_gemv(self, mode: str = "auto", max_rows: int | None = None) -> dict:
         """CUDA, bf16 / fp16 weights: one-row products (a decode step of one sequence) by the
         Triton GEMV of kernels/triton_gemv instead of cuBLAS. "auto" times both per weight
         shape (every layer's copy rotating, so that L2 does not hold them) and keeps the GEMV
         only where it is faster; "on" uses it for every shape; "off" never. FP8 projections
-        (Fp8Linear) the same way: triton_gemv.gemv_fp8 against torch._scaled_mm of one row.
+        (Fp8Linear) the same way: triton_gemv.gemv_fp8 against torch._scaled_mm of one row,
+        rows_fp8 for 2..64 rows and triton_fp8_gemm.fp8_mm per row band above that, up to
+        `max_rows` (the most tokens a step holds; default all bands).
         Returns per shape ("NxK", "NxK (fp8)") the choice and the measured microseconds, for
         the start-up log."""
         if mode not in GEMV_MODES:
@@ -678,7 +692,7 @@ class LlamaForCausalLM(nn.Module):
         for m in linears + fp8:
             m.gemv = None
         for m in fp8:
-            m.rows = None
+            m.rows = m.tiles = None
         self._lm_head_gemv = None
         if mode == "off" or not w0.is_cuda or w0.dtype not in (torch.bfloat16, torch.float16):
             return {}
@@ -729,6 +743,26 @@ class LlamaForCausalLM(nn.Module):
             info[f"{shape[0]}x{shape[1]} (fp8, 2..64 rows)"] = brow
             for m in mods:
                 m.rows = bands if won else None
+            # more than 64 rows (large decode batches, prefill and mixed steps): fp8_mm per
+            # row band, an experiment until measured on a GPU (BUCKETSERVE_FP8_TILES=1); "on"
+            # forces nothing here (the library's tiles stay the default)
+            if mode == "on" or os.environ.get("BUCKETSERVE_FP8_TILES", "") != "1":
+                continue
+            from bucketserve.kernels import triton_fp8_gemm
+
+            def tiles_measured(ws=ws, ss=ss) -> tuple[dict, dict]:
+                chosen = triton_fp8_gemm.choose_fp8_tiles(
+                    ws, ss, max_rows or triton_fp8_gemm.BANDS[-1])
+                return ({b: c for b, (_, c) in chosen.items()},
+                        {"bands": {b: r for b, (r, _) in chosen.items()}})
+
+            tiles, trow = _measured(mode, None, tiles_measured, "FP8 tiles", shape)
+            tiles = tiles or {}
+            won = [b for b, c in tiles.items() if c is not None]
+            trow["choice"] = ("tiles at " + "/".join(map(str, won))) if won else "scaled_mm"
+            info[f"{shape[0]}x{shape[1]} (fp8, 65+ rows)"] = trow
+            for m in mods:
+                m.tiles = tiles if won else None
         return info
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
