@@ -14,6 +14,8 @@
 #                                                # --fp8-fast-accum (~8 min)
 #   PART=accuracy   bash bench/h200_pending.sh   # issue 28 must-show 1 with fast accumulation
 #                                                # (needs the joined GGUF: gguf_piece 0, 1, 2)
+#   PART=gemm       bash bench/h200_pending.sh   # issue 28: FP8 GEMMs by row count, _scaled_mm
+#                                                # against triton_fp8_gemm's tiles (~4 min)
 #   PART=tuner      bash bench/h200_pending.sh   # issue 28 must-show 5: the bucket tuner, prefix
 #                                                # caching off, closed runs of 64-token outputs,
 #                                                # then A B B A rounds (~9 min)
@@ -27,7 +29,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh || exit 1
-PARTS_=${PART:?set PART to tests, structured, fp8, accuracy or tuner}
+PARTS_=${PART:?set PART to tests, structured, gemm, fp8, accuracy or tuner}
 REPEATS=${REPEATS:-3}
 save() { tar czf "/tmp/pending/$PART.tgz" -C /tmp/pending "$PART" && mv "/tmp/pending/$PART.tgz" "$OUT/"; }
 for PART in $PARTS_; do
@@ -73,6 +75,11 @@ structured)
   for run in ${ORDER:-A1 B1 B2 A2}; do  # A: .gpuassets/old; B: the tree; F: the tree, overlap_fill
     case $run in A*) one "$run" "$OLD" ;; F*) one "$run" "$R" 1 ;; *) one "$run" "$R" ;; esac
   done
+  ;;
+gemm)
+  timeout "${T_RUN:-400}" python3 bench/fp8_gemm_gpu.py --json "$O/fp8_gemm.json" > "$O/fp8_gemm.log" 2>&1
+  grep -v '^{"proj' "$O/fp8_gemm.log" | tail -12
+  save
   ;;
 fp8)
   for m in graphs fp8kv fp8kv_fast; do
