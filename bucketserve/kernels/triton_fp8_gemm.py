@@ -13,7 +13,9 @@ Two things are its own:
   _scaled_mm does with use_fast_accum=False); without it the MMA accumulates over the whole K
   loop (use_fast_accum=True, kernels/fp8_ops.FAST_ACCUM).
 
-bench/fp8_gemm_gpu.py sweeps the tiles against _scaled_mm and cuBLAS bf16.
+bench/fp8_gemm_gpu.py sweeps the tiles against _scaled_mm and cuBLAS bf16. Measured on an H200
+(2026-12-06, docs/quantization.md) they lose above 128 rows, so the start-up choice runs only
+with BUCKETSERVE_FP8_TILES=1.
 """
 
 from __future__ import annotations
