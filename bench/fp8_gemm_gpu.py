@@ -16,7 +16,7 @@ Each FP8 result's largest error against the float32 product of the same FP8 oper
 to the largest output) is recorded too. Printed: microseconds and TFLOP/s per cell, and per M
 the layer sum times the layers (a step's projection GEMMs, LM head excluded).
 
-    python3 bench/fp8_gemm_gpu.py [--rows 128,256,...] [--json FILE]
+    python3 bench/fp8_gemm_gpu.py [--rows 128,256,...] [--json FILE] [--no-triton]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from bucketserve.kernels.fp8_ops import quantize_rows  # noqa: E402
 
 
 def measure(name: str, n: int, k: int, m: int, wb: list, wq: list, c: int,
-            one: torch.Tensor) -> dict:
+            one: torch.Tensor, triton: bool = True) -> dict:
     """One (projection, M) cell: every variant's microseconds (and FP8 errors)."""
     calls = c if m <= 4096 else 2
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -66,7 +66,7 @@ def measure(name: str, n: int, k: int, m: int, wb: list, wq: list, c: int,
         cell[key] = graph_us(lambda i, fast=fast: scaled(i, fast), calls)
     for key, fast in (("tensor", False), ("tensor_fast", True)):
         cell[key] = graph_us(lambda i, fast=fast: scaled(i, fast, rowwise=False), calls)
-    for key, promote in (("triton", True), ("triton_fast", False)):
+    for key, promote in (("triton", True), ("triton_fast", False)) if triton else ():
         best = None
         for cfg in tg.CONFIGS:
             try:
@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=4)
     ap.add_argument("--projs", default="qkv,o,gate_up,down")
     ap.add_argument("--json", default="")
+    ap.add_argument("--no-triton", action="store_true", help="library GEMMs only (no tiles)")
     args = ap.parse_args()
     s = gt.SHAPES[args.shape]
     h, inter, layers = s["hidden_size"], s["intermediate_size"], s["num_layers"]
@@ -114,7 +115,7 @@ def main() -> None:
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(c)]
         wq = [quantize_fp8_per_channel(w) for w in wb]
         for m in rows:
-            cell = measure(name, n, k, m, wb, wq, c, one)
+            cell = measure(name, n, k, m, wb, wq, c, one, not args.no_triton)
             res["cells"].append(cell)
             brief = {k2: v for k2, v in cell.items() if not k2.endswith("_all")}
             print(json.dumps(brief), flush=True)

@@ -16,6 +16,9 @@
 #                                                # (needs the joined GGUF: gguf_piece 0, 1, 2)
 #   PART=gemm       bash bench/h200_pending.sh   # issue 28: FP8 GEMMs by row count, _scaled_mm
 #                                                # against triton_fp8_gemm's tiles (~4 min)
+#   PART=defer      bash bench/h200_pending.sh   # issue 28: 8B offline, bf16 graphs, FP8
+#                                                # weights + KV with the deferred scales off
+#                                                # (BUCKETSERVE_FP8_DEFER=0) and on (~9 min)
 #   PART=tuner      bash bench/h200_pending.sh   # issue 28 must-show 5: the bucket tuner, prefix
 #                                                # caching off, closed runs of 64-token outputs,
 #                                                # then A B B A rounds (~9 min)
@@ -29,7 +32,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh || exit 1
-PARTS_=${PART:?set PART to tests, structured, gemm, fp8, accuracy or tuner}
+PARTS_=${PART:?set PART to tests, structured, gemm, fp8, defer, accuracy or tuner}
 REPEATS=${REPEATS:-3}
 save() { tar czf "/tmp/pending/$PART.tgz" -C /tmp/pending "$PART" && mv "/tmp/pending/$PART.tgz" "$OUT/"; }
 for PART in $PARTS_; do
@@ -88,6 +91,17 @@ fp8)
     echo "== $m $(date +%T)"
     timeout "${T_RUN:-160}" python3 bench/gpu_8b.py --out "$O/$m" --modes $mode --requests 256,1024 \
       --repeats "$REPEATS" --batches 256 $extra > "$O/$m.log" 2>&1
+    grep -h "^llama-8b\|^decode" "$O/$m.log"
+    save
+  done
+  ;;
+defer)
+  for m in graphs fp8kv_nodefer fp8kv; do
+    mode=${m%_nodefer}; d=1
+    [ "$m" = fp8kv_nodefer ] && d=0
+    echo "== $m $(date +%T)"
+    BUCKETSERVE_FP8_DEFER=$d timeout "${T_RUN:-175}" python3 bench/gpu_8b.py --out "$O/$m" \
+      --modes $mode --requests 256,1024 --repeats "$REPEATS" --batches 128,256 > "$O/$m.log" 2>&1
     grep -h "^llama-8b\|^decode" "$O/$m.log"
     save
   done

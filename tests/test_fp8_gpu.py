@@ -112,6 +112,37 @@ def test_scaled_gemm_with_fast_accumulation_stays_close(t, n, k, monkeypatch):
     assert (fast - exact).norm() / exact.norm() < 2e-2
 
 
+@pytest.mark.parametrize("t, n, k", [(100, 4096, 4096), (256, 28672, 4096), (200, 4096, 14336)])
+def test_deferred_product_and_its_readers_match_the_row_wise_path(t, n, k):
+    """fp8_linear_deferred (the per-tensor GEMM with unit scales, the scales left to the
+    reader) against fp8_linear (row-wise scales in the GEMM): the scaled value within two
+    bf16 roundings; the compiled readers (rms_norm_quant, silu_and_mul_quant) given the
+    scales bit for bit what they give for the product scaled beforehand."""
+    from bucketserve.kernels.fp8_ops import Deferred, apply_scales, fp8_linear_deferred
+
+    gen = torch.Generator(device="cuda").manual_seed(t + n + k)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+    wq, ws = quantize_fp8_per_channel(w)
+    xq = quantize_rows(x)
+    unit = torch.ones((), device="cuda")
+    d = fp8_linear_deferred(xq, wq, ws, unit, torch.bfloat16)
+    assert isinstance(d, Deferred) and d.raw.shape == (t, n) and d.raw.dtype == torch.bfloat16
+    want = fp8_linear(xq, wq, ws, None, torch.bfloat16).float()
+    got = apply_scales(d).float()
+    assert ((got - want).abs() <= want.abs() * 2 ** -7 + 1e-6 * want.abs().max()).all()
+    if n == 28672:  # gate_up: [gate | up] into SiLU-and-mul
+        a = silu_and_mul_quant(d)
+        b = silu_and_mul_quant(apply_scales(d))
+    else:
+        wn = torch.rand(n, device="cuda", dtype=torch.bfloat16, generator=gen) + 0.5
+        res = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+        (a, ar), (b, br) = rms_norm_quant(d, wn, 1e-5, res), rms_norm_quant(apply_scales(d), wn,
+                                                                          1e-5, res)
+        assert torch.equal(ar, br)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from test_engine_gpu import word_tokenizer
@@ -203,6 +234,28 @@ def test_fp8_engine_stays_close_to_bf16(tiny, references, tmp_path, quantization
     else:
         assert r.num_graph_steps == 0 and r.num_piecewise_steps == 0
 
+
+def test_fp8_engine_with_deferred_products_in_every_band(tiny, references, tmp_path,
+                                                       monkeypatch):
+    """The engine with o_proj's, gate_up's and down's products deferred to their readers in
+    every row band above 64 (as use_gemv sets where the per-tensor GEMM measures faster),
+    through the decode graphs, whole-step mixed graphs of up to 256 tokens: its first tokens
+    are the eager row-wise engine's but for roundings."""
+    from bucketserve.kernels import triton_fp8_gemm
+
+    def every_band(ws, ss, max_rows=triton_fp8_gemm.BANDS[-1], min_gain=0.03):
+        return {b: ({"forced": True}, True) for b in triton_fp8_gemm.BANDS}
+
+    monkeypatch.setattr(triton_fp8_gemm, "choose_deferred", every_band)
+    got, engine = run(tiny, tmp_path, "fp8", "fp8")
+    layer = engine.runner.model.model.layers[0]
+    assert layer.mlp.down_proj.deferred == frozenset(triton_fp8_gemm.BANDS)
+    assert layer.self_attn.qkv_proj.deferred == frozenset()
+    assert any(k.endswith("(fp8, 65+ rows, scales)") for k in engine.cuda_info["gemv"])
+    eager = references["fp8 eager"]
+    assert sum(g[0] == e[0] for g, e in zip(got, eager, strict=True)) >= 15
+    prefixes = [_agreeing_prefix(g, r) for g, r in zip(got, references["bf16"], strict=True)]
+    assert sum(p >= 1 for p in prefixes) >= 12, prefixes
 
 
 @pytest.mark.parametrize("f16_dot", [False, True])

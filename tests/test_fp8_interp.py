@@ -150,3 +150,36 @@ def test_decode_over_an_fp8_pool_with_fp16_dots():
                              query_lens_cpu=[1] * len(ctx), seq_lens_cpu=ctx)
     ref = reference_attention(q.float(), kc.float() * KS, vc.float() * VS, meta, d ** -0.5)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * VS)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_fused_readers_apply_deferred_scales_as_they_load(residual):
+    """rms_norm_quant and silu_and_mul_quant given a Deferred product's scales (row [T, 1],
+    col [N]): bit for bit what the same kernels give for the product scaled beforehand
+    (fp8_ops.apply_scales), with the row and column scales both used."""
+    _interp()
+    from bucketserve.kernels import triton_fp8
+    from bucketserve.kernels.fp8_ops import Deferred, apply_scales
+
+    gen = torch.Generator().manual_seed(7 + residual)
+    t, n = 5, 96
+    raw = torch.randn(t, 2 * n, generator=gen) * 50
+    row = torch.rand(t, 1, generator=gen) + 0.01
+    col = torch.rand(2 * n, generator=gen) + 0.01
+    w = torch.rand(n, generator=gen) + 0.5
+    r = torch.randn(t, n, generator=gen) if residual else None
+    d = Deferred(raw[:, :n].contiguous(), row, col[:n].contiguous())
+    got, got_res = triton_fp8.rms_norm_quant(d.raw, w, 1e-5, r, scales=(d.row, d.col))
+    want, want_res = triton_fp8.rms_norm_quant(apply_scales(d), w, 1e-5, r)
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert (got_res is None) == (not residual)
+    if residual:
+        assert torch.equal(got_res, want_res)
+    unscaled = triton_fp8.rms_norm_quant(d.raw, w, 1e-5, r)[0]
+    assert not torch.equal(unscaled[0].view(torch.uint8), got[0].view(torch.uint8))
+    g = Deferred(raw, row, col)
+    got = triton_fp8.silu_and_mul_quant(raw, scales=(row, col))
+    want = triton_fp8.silu_and_mul_quant(apply_scales(g))
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))

@@ -181,3 +181,81 @@ def test_quantized_model_stays_close_to_the_unquantized_one():
     rel = (a - b).norm() / a.norm()
     assert 0 < rel < 0.1, rel
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+
+
+def _all_bands_deferred(model: LlamaForCausalLM) -> None:
+    """What use_gemv sets where the deferred product measured faster, for every row band."""
+    from bucketserve.kernels.triton_fp8_gemm import BANDS
+
+    unit = torch.ones(())
+    for layer in model.model.layers:
+        for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            m.deferred, m.unit = frozenset(BANDS), unit
+
+
+def test_a_deferred_product_is_the_scaled_product():
+    """Fp8Linear.forward(x, defer=True) in a row band use_gemv chose: the product without
+    its scales (fp8_ops.Deferred) whose value, and whose fused readers' results, are those of
+    the row-wise product; other bands, 64 rows or fewer, and defer=False give the tensor."""
+    from bucketserve.kernels import fp8_ops
+    from bucketserve.kernels.fp8 import quantize_fp8_per_channel
+
+    gen = torch.Generator().manual_seed(5)
+    lin = Fp8Linear(96, 80, bias=False, dtype=torch.float32)
+    lin.weight.data, lin.weight_scale.data = quantize_fp8_per_channel(
+        torch.randn(80, 96, generator=gen) * torch.rand(80, 1, generator=gen))
+    x = torch.randn(200, 96, generator=gen) * torch.rand(200, 1, generator=gen) * 10
+    want = lin(x)
+    lin.deferred, lin.unit = frozenset({128}), torch.ones(())
+    d = lin(x[:100], defer=True)
+    assert isinstance(d, fp8_ops.Deferred) and d.raw.shape == (100, 80)
+    torch.testing.assert_close(fp8_ops.apply_scales(d), want[:100], rtol=1e-5,
+                               atol=1e-5 * want.abs().max().item())
+    # the raw sums are unscaled: dropping either scale would change them
+    assert not torch.allclose(d.raw, want[:100], rtol=0.1)
+    for got in (lin(x[:100]), lin(x, defer=True), lin(x[:64], defer=True)):
+        assert isinstance(got, torch.Tensor)
+    w = torch.rand(80) + 0.5
+    res = torch.randn(100, 80, generator=gen)
+    value = fp8_ops.apply_scales(d)
+    for r in (None, res):
+        (q, s), out_res = fp8_ops.rms_norm_quant(d, w, 1e-5, r)
+        (q_ref, s_ref), ref_res = fp8_ops.rms_norm_quant(value, w, 1e-5, r)
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        assert (r is None and out_res is None) or torch.equal(out_res, ref_res)
+    gu = Fp8Linear(96, 160, bias=False, dtype=torch.float32)
+    gu.weight.data, gu.weight_scale.data = quantize_fp8_per_channel(
+        torch.randn(160, 96, generator=gen))
+    gu.deferred, gu.unit = frozenset({128}), torch.ones(())
+    dg = gu(x[:100], defer=True)
+    q, s = fp8_ops.silu_and_mul_quant(dg)
+    q_ref, s_ref = fp8_ops.silu_and_mul_quant(fp8_ops.apply_scales(dg))
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_the_fused_forward_with_deferred_products_matches_the_row_wise_one():
+    """_post_attention (the fused forward's o_proj, norm, MLP) with every FP8 row band
+    deferred gives what the row-wise products give: o_proj's and gate_up's products deferred
+    into the fused norm and SiLU-and-mul, down's into the next layer's norm (the last
+    layer's stays a tensor for the final norm)."""
+    from unittest import mock
+
+    from bucketserve.kernels import fp8_ops
+
+    model = build_dummy_model(SMALL, dtype=torch.float32, seed=4, quantization="fp8")
+    gen = torch.Generator().manual_seed(6)
+    t = 150
+    o = torch.randn(t, SMALL.num_heads, SMALL.head_dim, generator=gen)
+    res = torch.randn(t, SMALL.hidden_size, generator=gen)
+    want = [model._post_attention(i, o, res.clone(), last=i == 1) for i in (0, 1)]
+    _all_bands_deferred(model)
+    with mock.patch.object(fp8_ops, "fp8_linear_deferred",
+                           wraps=fp8_ops.fp8_linear_deferred) as spy:
+        got = [model._post_attention(i, o, res.clone(), last=i == 1) for i in (0, 1)]
+    assert spy.call_count == 3 + 2
+    assert isinstance(got[0][0], fp8_ops.Deferred) and isinstance(got[1][0], torch.Tensor)
+    for (gd, gr), (wd, wr) in zip(got, want, strict=True):
+        torch.testing.assert_close(gr, wr, rtol=1e-5, atol=1e-5 * wr.abs().max().item())
+        w = wd.float()
+        torch.testing.assert_close(fp8_ops.apply_scales(gd), w, rtol=1e-4,
+                                   atol=1e-4 * w.abs().max().item())

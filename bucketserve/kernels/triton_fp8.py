@@ -45,15 +45,27 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, n_co
 
 
 @triton.jit
+def _load_scaled(ptr, row, cols, mask, stride, rs_ptr, cs_ptr, col0, SCALED: tl.constexpr):
+    # a row of x, or with SCALED of a Deferred product (fp8_ops.Deferred): its raw row times
+    # the row's scale, then the columns' scales, rounded once to the model dtype
+    x = tl.load(ptr + row * stride + cols, mask=mask, other=0.0)
+    if SCALED:
+        rs = tl.load(rs_ptr + row)
+        cs = tl.load(cs_ptr + col0 + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) * rs * cs).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, static_ptr,
-                           stride_x, stride_r, stride_q, stride_ro, n_cols, eps,
+                           rs_ptr, cs_ptr, stride_x, stride_r, stride_q, stride_ro, n_cols, eps,
                            HAS_RESIDUAL: tl.constexpr, STATIC: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           SCALED: tl.constexpr, BLOCK: tl.constexpr):
     # triton_fused._rms_norm_kernel's arithmetic, then the quantization of its output row
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x = _load_scaled(x_ptr, row, cols, mask, stride_x, rs_ptr, cs_ptr, 0, SCALED)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -67,14 +79,15 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, sta
 
 
 @triton.jit
-def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, n_cols,
-                           STATIC: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, rs_ptr, cs_ptr, stride_x,
+                           stride_q, n_cols, STATIC: tl.constexpr, SCALED: tl.constexpr,
+                           BLOCK: tl.constexpr):
     # x [T, 2I] = [gate | up] -> quantized silu(gate) * up, one program per row
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    g = _load_scaled(x_ptr, row, cols, mask, stride_x, rs_ptr, cs_ptr, 0, SCALED)
+    u = _load_scaled(x_ptr + n_cols, row, cols, mask, stride_x, rs_ptr, cs_ptr, n_cols, SCALED)
     gf = g.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
     v = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
@@ -106,9 +119,11 @@ def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
                    residual: torch.Tensor | None = None,
-                   static_scale: torch.Tensor | None = None
+                   static_scale: torch.Tensor | None = None,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
-    """x (+ residual) [T, H] -> ((q, scale) of the normed rows, x + residual or None)."""
+    """x (+ residual) [T, H] -> ((q, scale) of the normed rows, x + residual or None).
+    scales: (row [T, 1], col [H]) float32 of a Deferred product x (fp8_ops.Deferred)."""
     t, n = x.shape
     q, s = _outputs(t, n, x.device)
     res_out = torch.empty_like(x) if residual is not None else None
@@ -116,22 +131,27 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
         assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
         r = residual if residual is not None else x
         ro = res_out if res_out is not None else x
+        rs, cs = scales if scales is not None else (s, s)
         _rms_norm_quant_kernel[(t,)](
-            x, r, weight, q, s, ro, static_scale if static_scale is not None else s,
+            x, r, weight, q, s, ro, static_scale if static_scale is not None else s, rs, cs,
             x.stride(0), r.stride(0), q.stride(0), ro.stride(0), n, eps,
-            HAS_RESIDUAL=residual is not None, **_launch_args(n, static_scale))
+            HAS_RESIDUAL=residual is not None, SCALED=scales is not None,
+            **_launch_args(n, static_scale))
     return (q, s), res_out
 
 
-def silu_and_mul_quant(x: torch.Tensor, static_scale: torch.Tensor | None = None
+def silu_and_mul_quant(x: torch.Tensor, static_scale: torch.Tensor | None = None,
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, 2I] = [gate | up] -> (q, scale) of silu(gate) * up."""
+    """x [T, 2I] = [gate | up] -> (q, scale) of silu(gate) * up. scales: (row [T, 1],
+    col [2I]) float32 of a Deferred product x (fp8_ops.Deferred)."""
     t, two_i = x.shape
     n = two_i // 2
     q, s = _outputs(t, n, x.device)
     if t:
         assert x.stride(1) == 1
+        rs, cs = scales if scales is not None else (s, s)
         _silu_mul_quant_kernel[(t,)](x, q, s, static_scale if static_scale is not None else s,
-                                     x.stride(0), q.stride(0), n,
-                                     **_launch_args(n, static_scale))
+                                     rs, cs, x.stride(0), q.stride(0), n,
+                                     SCALED=scales is not None, **_launch_args(n, static_scale))
     return q, s

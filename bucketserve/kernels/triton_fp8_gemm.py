@@ -161,3 +161,30 @@ def choose_fp8_tiles(weights: list[torch.Tensor], scales: list[torch.Tensor],
         result[b] = (info, best[1] if won else None)
         del q, s, out, ref
     return result
+
+
+def choose_deferred(weights: list[torch.Tensor], scales: list[torch.Tensor],
+                    max_rows: int = BANDS[-1], min_gain: float = 0.03
+                    ) -> dict[int, tuple[dict, bool]]:
+    """Per row band up to `max_rows`, torch._scaled_mm with row-wise scales
+    (kernels/fp8_ops.fp8_linear) against the same product with unit per-tensor scales and the
+    scales deferred to its reader (fp8_linear_deferred), over the rotating weights. Returns
+    {band: (info, whether the deferred product is at least `min_gain` faster)}."""
+    from bucketserve.kernels.cuda_timing import graph_us
+    from bucketserve.kernels.fp8_ops import fp8_linear, fp8_linear_deferred, quantize_rows
+
+    k = weights[0].shape[1]
+    unit = torch.ones((), dtype=torch.float32, device=weights[0].device)
+    result: dict[int, tuple[dict, bool]] = {}
+    for b in BANDS[:BANDS.index(band(max(max_rows, 65))) + 1]:
+        calls = min(len(weights), 8 if b <= 2048 else 2)
+        ws, ss = weights[:calls], scales[:calls]
+        x = quantize_rows(torch.randn(b, k, device=ws[0].device, dtype=torch.bfloat16))
+        lib = graph_us(lambda i, x=x, ws=ws, ss=ss: fp8_linear(
+            x, ws[i], ss[i], None, torch.bfloat16), calls, trials=5)
+        dfr = graph_us(lambda i, x=x, ws=ws, ss=ss: fp8_linear_deferred(
+            x, ws[i], ss[i], unit, torch.bfloat16), calls, trials=5)
+        result[b] = ({"row_wise_us": round(lib, 2), "deferred_us": round(dfr, 2)},
+                     dfr < lib * (1.0 - min_gain))
+        del x
+    return result

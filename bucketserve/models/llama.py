@@ -180,6 +180,12 @@ class Fp8Linear(nn.Module):
         # CUDA: kernels/triton_fp8_gemm.fp8_mm configs for more than 64 rows per row band
         # (triton_fp8_gemm.band), set the same way; a band without one stays on _scaled_mm
         self.tiles: dict[int, tuple | None] | None = None
+        # CUDA: the row bands (triton_fp8_gemm.band) of more than 64 rows where forward(x,
+        # defer=True) returns the product with its scales deferred to the reader
+        # (fp8_ops.fp8_linear_deferred), set by use_gemv where measured faster; `unit` is
+        # the float32 1.0 its per-tensor GEMM takes as both scales
+        self.deferred: frozenset[int] = frozenset()
+        self.unit: torch.Tensor | None = None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -195,10 +201,20 @@ class Fp8Linear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
-    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                defer: bool = False) -> torch.Tensor | fp8_ops.Deferred:
+        """defer: the caller reads the result with a reader that takes fp8_ops.Deferred
+        (rms_norm_quant, silu_and_mul_quant); it gets one where this row band's deferred
+        product was measured faster, else the tensor as without it."""
         if isinstance(x, torch.Tensor):
             x = quantize_rows(x, self.input_scale)
         m = x[0].shape[0]
+        if defer and m > 64 and self.deferred:
+            from bucketserve.kernels import triton_fp8_gemm
+
+            if triton_fp8_gemm.band(m) in self.deferred:
+                return fp8_ops.fp8_linear_deferred(x, self.weight, self.weight_scale,
+                                                   self.unit, self.out_dtype)
         if self.gemv is not None and m == 1:  # set only on bias-free projections
             from bucketserve.kernels.triton_gemv import gemv_fp8
 
@@ -406,7 +422,13 @@ def _norm_into(proj: nn.Module, x: torch.Tensor, norm: RMSNorm,
     x + residual or None)."""
     if isinstance(proj, Fp8Linear):
         return rms_norm_quant(x, norm.weight, norm.eps, residual, proj.input_scale)
-    return rms_norm(x, norm.weight, norm.eps, residual=residual)
+    return rms_norm(fp8_ops.apply_scales(x), norm.weight, norm.eps, residual=residual)
+
+
+def _project(proj: nn.Module, x, defer: bool):
+    """proj(x), asking an Fp8Linear for a Deferred product where `defer` (the reader applies
+    the scales)."""
+    return proj(x, defer=True) if defer and isinstance(proj, Fp8Linear) else proj(x)
 
 
 def _measured(mode: str, forced, measure, what: str, shape: tuple[int, int]) -> tuple:
@@ -615,7 +637,7 @@ class LlamaForCausalLM(nn.Module):
     def stage_last(self, o: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
         """The last layer after its attention, then the final norm -> hidden [T, H]."""
         m = self.model
-        delta, res = self._post_attention(len(m.layers) - 1, o, res)
+        delta, res = self._post_attention(len(m.layers) - 1, o, res, last=True)
         h, _ = rms_norm(delta, m.norm.weight, m.norm.eps, residual=res)
         return h
 
@@ -629,17 +651,23 @@ class LlamaForCausalLM(nn.Module):
         q, k = apply_rotary(q, k, positions, self.cos_sin)
         return q, k, v
 
-    def _post_attention(self, i: int, o: torch.Tensor, res: torch.Tensor):
-        """o_proj, residual + RMSNorm, MLP -> (the MLP's output, the residual stream)."""
+    def _post_attention(self, i: int, o: torch.Tensor, res: torch.Tensor, last: bool = False):
+        """o_proj, residual + RMSNorm, MLP -> (the MLP's output, the residual stream). FP8
+        projections may return their products Deferred (Fp8Linear.forward) where the op that
+        reads them applies the scales: o_proj's and gate_up's into the fused norm and
+        SiLU-and-mul, down's into the next layer's norm (not the last layer's: the final
+        plain RMSNorm reads it)."""
         layer = self.model.layers[i]
         a, mlp = layer.self_attn, layer.mlp
-        x, res = _norm_into(mlp.gate_up_proj, a.o_proj(o.reshape(o.shape[0], a.q_size)),
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        x, res = _norm_into(gate_up, _project(a.o_proj, o.reshape(o.shape[0], a.q_size),
+                                              isinstance(gate_up, Fp8Linear)),
                             layer.post_attention_layernorm, res)
-        gu = mlp.gate_up_proj(x)
-        down = mlp.down_proj
-        act = (silu_and_mul_quant(gu, down.input_scale) if isinstance(down, Fp8Linear)
-               else silu_and_mul(gu))
-        return down(act), res
+        if isinstance(down, Fp8Linear):
+            act = silu_and_mul_quant(_project(gate_up, x, True), down.input_scale)
+        else:
+            act = silu_and_mul(fp8_ops.apply_scales(gate_up(x)))
+        return _project(down, act, not last), res
 
     def use_cpu_plan(self, plan: CpuPlan) -> CpuPlan:
         """Runs a float32 CPU model as `plan` says (kernels/cpu_plan.py): every projection and
@@ -693,6 +721,7 @@ class LlamaForCausalLM(nn.Module):
             m.gemv = None
         for m in fp8:
             m.rows = m.tiles = None
+            m.deferred, m.unit = frozenset(), None
         self._lm_head_gemv = None
         if mode == "off" or not w0.is_cuda or w0.dtype not in (torch.bfloat16, torch.float16):
             return {}
@@ -763,6 +792,42 @@ class LlamaForCausalLM(nn.Module):
             info[f"{shape[0]}x{shape[1]} (fp8, 65+ rows)"] = trow
             for m in mods:
                 m.tiles = tiles if won else None
+        if mode != "off" and os.environ.get("BUCKETSERVE_FP8_DEFER", "1") != "0":
+            info.update(self._use_deferred(max_rows))
+        return info
+
+    def _use_deferred(self, max_rows: int | None) -> dict:
+        """use_gemv's choice for more than 64 rows of the FP8 projections whose readers take
+        a Deferred product (o_proj, gate_up_proj, down_proj: _post_attention): per row band,
+        the per-tensor GEMM with the scales deferred where measured at least 3% faster than
+        _scaled_mm's row-wise one (triton_fp8_gemm.choose_deferred)."""
+        from bucketserve.kernels import triton_fp8_gemm
+
+        groups: dict[tuple[int, int], list[Fp8Linear]] = {}
+        for layer in self.model.layers:
+            for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                if isinstance(m, Fp8Linear) and m.bias is None:
+                    groups.setdefault(tuple(m.weight.shape), []).append(m)
+        info: dict[str, dict] = {}
+        unit = None
+        for shape, mods in groups.items():
+            ws, ss = [m.weight for m in mods], [m.weight_scale for m in mods]
+
+            def measured(ws=ws, ss=ss) -> tuple[frozenset, dict]:
+                chosen = triton_fp8_gemm.choose_deferred(
+                    ws, ss, max_rows or triton_fp8_gemm.BANDS[-1])
+                return (frozenset(b for b, (_, won) in chosen.items() if won),
+                        {"bands": {b: r for b, (r, _) in chosen.items()}})
+
+            bands, row = _measured("auto", None, measured, "FP8 deferred", shape)
+            bands = bands or frozenset()
+            row["choice"] = ("deferred at " + "/".join(map(str, sorted(bands)))) if bands \
+                else "row-wise"
+            info[f"{shape[0]}x{shape[1]} (fp8, 65+ rows, scales)"] = row
+            if bands and unit is None:
+                unit = torch.ones((), dtype=torch.float32, device=ws[0].device)
+            for m in mods:
+                m.deferred, m.unit = bands, unit
         return info
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
