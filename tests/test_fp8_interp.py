@@ -183,3 +183,31 @@ def test_fused_readers_apply_deferred_scales_as_they_load(residual):
     want = triton_fp8.silu_and_mul_quant(apply_scales(g))
     assert torch.equal(got[1], want[1])
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("static, scaled", [(False, False), (True, False), (False, True)])
+def test_two_pass_silu_and_mul_quantization_is_the_one_pass_one(static, scaled):
+    """silu_and_mul_quant's chunked two-pass kernel (the row's largest magnitude first, then
+    the chunks again, quantized) gives the one-pass kernel's codes and scales bit for bit,
+    for a row that does not fill its last chunk, static or dynamic, with deferred scales or
+    without; the dynamic scales are the torch reference's (the interpreter's FP8 rounding of
+    the codes themselves is not exact: module docstring)."""
+    _interp()
+    from bucketserve.kernels import triton_fp8
+    from bucketserve.kernels.fp8_ops import quantize_rows_torch
+    from bucketserve.kernels.triton_ops import silu_and_mul_torch
+
+    gen = torch.Generator().manual_seed(3 + static + 2 * scaled)
+    t, n = 4, 300
+    x = torch.randn(t, 2 * n, generator=gen) * 3
+    x[2, n + 123] = 40.0  # the row's largest product sits in the second chunk
+    st = torch.tensor(0.05) if static else None
+    sc = (torch.rand(t, 1, generator=gen) + 0.5, torch.rand(2 * n, generator=gen) + 0.5) \
+        if scaled else None
+    one = triton_fp8.silu_and_mul_quant(x, st, sc)
+    two = triton_fp8.silu_and_mul_quant(x, st, sc, chunked=(128, 2))
+    assert torch.equal(one[1], two[1])
+    assert torch.equal(one[0].view(torch.uint8), two[0].view(torch.uint8))
+    if not scaled and not static:
+        ref = quantize_rows_torch(silu_and_mul_torch(x))
+        assert torch.equal(two[1], ref[1])

@@ -94,6 +94,54 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, rs_ptr, cs_ptr, stri
     _store_quantized(v, row, cols, mask, q_ptr, s_ptr, static_ptr, stride_q, STATIC)
 
 
+@triton.jit
+def _silu_mul_row_chunk(x_ptr, row, cols, mask, stride_x, rs_ptr, cs_ptr, n_cols,
+                        SCALED: tl.constexpr):
+    # silu(gate) * up of one chunk of a row, rounded as _silu_mul_quant_kernel rounds it
+    g = _load_scaled(x_ptr, row, cols, mask, stride_x, rs_ptr, cs_ptr, 0, SCALED)
+    u = _load_scaled(x_ptr + n_cols, row, cols, mask, stride_x, rs_ptr, cs_ptr, n_cols, SCALED)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_quant_chunked_kernel(x_ptr, q_ptr, s_ptr, static_ptr, rs_ptr, cs_ptr, stride_x,
+                                   stride_q, n_cols, STATIC: tl.constexpr,
+                                   SCALED: tl.constexpr, CHUNK: tl.constexpr):
+    # _silu_mul_quant_kernel over CHUNK columns at a time: a first pass takes the row's
+    # largest magnitude, a second computes the chunks again (the row's bytes are then in L2)
+    # and stores them quantized. Few registers a program, so many programs share an SM:
+    # the one-pass kernel keeps the whole row (2 x 14,336 values at the 8B shape) in
+    # registers, one program per SM.
+    row = tl.program_id(0)
+    offs = tl.arange(0, CHUNK)
+    if STATIC:
+        s = tl.load(static_ptr).to(tl.float32)
+    else:
+        m = tl.zeros((CHUNK,), dtype=tl.float32)
+        for c0 in range(0, n_cols, CHUNK):
+            cols = c0 + offs
+            mask = cols < n_cols
+            v = _silu_mul_row_chunk(x_ptr, row, cols, mask, stride_x, rs_ptr, cs_ptr, n_cols,
+                                    SCALED)
+            m = tl.maximum(m, tl.abs(v))
+        s = tl.maximum(tl.math.div_rn(tl.max(m, 0), _MAX), _MIN_SCALE)
+    for c0 in range(0, n_cols, CHUNK):
+        cols = c0 + offs
+        mask = cols < n_cols
+        v = _silu_mul_row_chunk(x_ptr, row, cols, mask, stride_x, rs_ptr, cs_ptr, n_cols, SCALED)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -_MAX), _MAX)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, s)
+
+
+# silu_and_mul_quant's two-pass kernel: (columns a chunk, warps); CHUNKED_FROM: the narrowest
+# half-row (I) it runs for (0: never). Chosen from bench/fp8_silu_gpu.py on a GPU.
+CHUNKED = (2048, 4)
+CHUNKED_FROM = 0
+
+
 def _outputs(t: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty((t, n), dtype=FP8_DTYPE, device=device),
             torch.empty((t, 1), dtype=torch.float32, device=device))
@@ -141,16 +189,26 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def silu_and_mul_quant(x: torch.Tensor, static_scale: torch.Tensor | None = None,
-                       scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       chunked: tuple[int, int] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, 2I] = [gate | up] -> (q, scale) of silu(gate) * up. scales: (row [T, 1],
-    col [2I]) float32 of a Deferred product x (fp8_ops.Deferred)."""
+    col [2I]) float32 of a Deferred product x (fp8_ops.Deferred). chunked: (columns,
+    warps) of the two-pass kernel, which runs by default where I >= CHUNKED_FROM > 0."""
     t, two_i = x.shape
     n = two_i // 2
     q, s = _outputs(t, n, x.device)
+    if chunked is None and 0 < CHUNKED_FROM <= n:
+        chunked = CHUNKED
     if t:
         assert x.stride(1) == 1
         rs, cs = scales if scales is not None else (s, s)
+        if chunked is not None:
+            _silu_mul_quant_chunked_kernel[(t,)](
+                x, q, s, static_scale if static_scale is not None else s, rs, cs, x.stride(0),
+                q.stride(0), n, STATIC=static_scale is not None, SCALED=scales is not None,
+                CHUNK=chunked[0], num_warps=chunked[1])
+            return q, s
         _silu_mul_quant_kernel[(t,)](x, q, s, static_scale if static_scale is not None else s,
                                      rs, cs, x.stride(0), q.stride(0), n,
                                      SCALED=scales is not None, **_launch_args(n, static_scale))
