@@ -143,6 +143,26 @@ def test_deferred_product_and_its_readers_match_the_row_wise_path(t, n, k):
     assert torch.equal(a[1], b[1]) and torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
 
 
+@pytest.mark.parametrize("t, n", [(1, 14336), (256, 14336), (77, 8192), (5, 1000)])
+def test_two_pass_silu_and_mul_quantization_matches_the_one_pass_kernel(t, n):
+    """The chunked two-pass kernel (triton_fp8.silu_and_mul_quant(chunked=...)) compiled:
+    the one-pass kernel's codes and scales bit for bit, dynamic and static, with deferred
+    scales and without."""
+    from bucketserve.kernels import triton_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(t + n)
+    x = torch.randn(t, 2 * n, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+    sc = (torch.rand(t, 1, device="cuda", generator=gen) + 0.5,
+          torch.rand(2 * n, device="cuda", generator=gen) + 0.5)
+    for static in (None, torch.tensor(0.02, device="cuda")):
+        for scales in (None, sc):
+            one = triton_fp8.silu_and_mul_quant(x, static, scales)
+            for chunked in ((1024, 4), (2048, 8)):
+                two = triton_fp8.silu_and_mul_quant(x, static, scales, chunked=chunked)
+                assert torch.equal(one[1], two[1])
+                assert torch.equal(one[0].view(torch.uint8), two[0].view(torch.uint8))
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from test_engine_gpu import word_tokenizer
