@@ -96,7 +96,7 @@ fp8)
   done
   ;;
 defer)
-  for m in graphs fp8kv_nodefer fp8kv; do
+  for m in ${DEFER_RUNS:-graphs fp8kv_nodefer fp8kv}; do
     mode=${m%_nodefer}; d=1
     [ "$m" = fp8kv_nodefer ] && d=0
     echo "== $m $(date +%T)"
