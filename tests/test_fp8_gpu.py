@@ -267,6 +267,7 @@ def test_fp8_engine_with_deferred_products_in_every_band(tiny, references, tmp_p
         return {b: ({"forced": True}, True) for b in triton_fp8_gemm.BANDS}
 
     monkeypatch.setattr(triton_fp8_gemm, "choose_deferred", every_band)
+    monkeypatch.setenv("BUCKETSERVE_FP8_DEFER", "1")
     got, engine = run(tiny, tmp_path, "fp8", "fp8")
     layer = engine.runner.model.model.layers[0]
     assert layer.mlp.down_proj.deferred == frozenset(triton_fp8_gemm.BANDS)
