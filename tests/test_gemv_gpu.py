@@ -181,13 +181,8 @@ def test_fp8_rows_match_the_w8a8_product_for_every_candidate(m, n, k):
         assert torch.equal(triton_gemv.rows_fp8(q, s, w, ws, torch.float32, config=cfg), y), cfg
 
 
-def test_fp8_projections_take_the_rows_kernel_where_chosen():
-    """use_gemv on an FP8 model: "on" gives every FP8 projection a config per row band and a
-    decode step of 5 rows then equals the _scaled_mm path ("off") to bf16 rounding; "auto"
-    records a choice per band."""
-    pytest.importorskip("triton")
-    if not _fp8_gpu():
-        pytest.skip("needs FP8 tensor cores")
+def _fp8_model():
+    """The small test model with FP8 projections on the GPU, and its Fp8Linear modules."""
     from bucketserve.kernels.triton_attention import TritonAttentionBackend
     from bucketserve.models.llama import Fp8Linear
     from bucketserve.models.loader import build_dummy_model
@@ -195,7 +190,17 @@ def test_fp8_projections_take_the_rows_kernel_where_chosen():
     cfg, _ = _model(torch.bfloat16, tied=True)
     model = build_dummy_model(cfg, "cuda", torch.bfloat16, attn_backend=TritonAttentionBackend(),
                               seed=0, quantization="fp8")
-    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    return model, [m for m in model.modules() if isinstance(m, Fp8Linear)]
+
+
+def test_fp8_projections_take_the_rows_kernel_where_chosen():
+    """use_gemv on an FP8 model: "on" gives every FP8 projection a config per row band and a
+    decode step of 5 rows then equals the _scaled_mm path ("off") to bf16 rounding; "auto"
+    records a choice per band."""
+    pytest.importorskip("triton")
+    if not _fp8_gpu():
+        pytest.skip("needs FP8 tensor cores")
+    model, fp8 = _fp8_model()
     assert fp8
     x = torch.randn(5, fp8[0].weight.shape[1], device="cuda", dtype=torch.bfloat16)
     model.use_gemv("off")
@@ -249,14 +254,7 @@ def test_fp8_projections_take_the_tiles_where_chosen(monkeypatch):
     if not _fp8_gpu():
         pytest.skip("needs FP8 tensor cores")
     from bucketserve.kernels import triton_fp8_gemm
-    from bucketserve.kernels.triton_attention import TritonAttentionBackend
-    from bucketserve.models.llama import Fp8Linear
-    from bucketserve.models.loader import build_dummy_model
-
-    cfg, _ = _model(torch.bfloat16, tied=True)
-    model = build_dummy_model(cfg, "cuda", torch.bfloat16, attn_backend=TritonAttentionBackend(),
-                              seed=0, quantization="fp8")
-    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    model, fp8 = _fp8_model()
     x = torch.randn(300, fp8[0].weight.shape[1], device="cuda", dtype=torch.bfloat16)
     model.use_gemv("off")
     assert all(m.tiles is None for m in fp8)

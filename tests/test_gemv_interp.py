@@ -166,6 +166,8 @@ def test_an_fp8_projection_with_tiles_runs_its_row_bands_through_them():
     want = lin(x)  # tiles None: the reference for every row count
     assert triton_fp8_gemm.band(100) == 128 and triton_fp8_gemm.band(200) == 256
     assert triton_fp8_gemm.band(10**6) == triton_fp8_gemm.BANDS[-1]
+    assert triton_fp8_gemm.bands_up_to(600) == (128, 256, 512, 1024)
+    assert triton_fp8_gemm.bands_up_to(10) == (128,)
     lin.tiles = {128: (32, 32, 64, 2, 4, 2), 256: None}
     with mock.patch.object(triton_fp8_gemm, "fp8_mm", wraps=triton_fp8_gemm.fp8_mm) as spy:
         got = lin(x[:100])  # band 128

@@ -121,45 +121,45 @@ def band(m: int) -> int:
     return BANDS[-1]
 
 
+def bands_up_to(max_rows: int) -> tuple[int, ...]:
+    """The row bands a step of at most `max_rows` rows can fall in."""
+    return BANDS[:BANDS.index(band(max(max_rows, 65))) + 1]
+
+
+def _band_inputs(b: int, weights: list[torch.Tensor], scales: list[torch.Tensor]):
+    """A start-up timing's inputs for band b: the rotating weights and their scales (8, or 2
+    above 2,048 rows, where one product outlasts L2 anyway) and b quantized random rows."""
+    from bucketserve.kernels.fp8_ops import quantize_rows
+
+    calls = min(len(weights), 8 if b <= 2048 else 2)
+    x = torch.randn(b, weights[0].shape[1], device=weights[0].device, dtype=torch.bfloat16)
+    return weights[:calls], scales[:calls], quantize_rows(x)
+
+
 def choose_fp8_tiles(weights: list[torch.Tensor], scales: list[torch.Tensor],
                      max_rows: int = BANDS[-1], candidates: list[tuple] | None = None,
                      min_gain: float = 0.03) -> dict[int, tuple[dict, tuple | None]]:
     """Per row band up to `max_rows` (the most tokens a step holds), torch._scaled_mm of that
     many quantized rows (kernels/fp8_ops.fp8_linear) against fp8_mm at each candidate config,
-    over the rotating weights (one projection of every layer). Returns {band: (info, the
-    config, or None where _scaled_mm stays: within `min_gain`, or every config failed)}."""
-    from bucketserve.kernels.cuda_timing import graph_us
-    from bucketserve.kernels.fp8_ops import fp8_linear, quantize_rows
+    over the rotating weights (one projection of every layer), as triton_gemv.fastest times
+    the few-row kernels. Returns {band: (info, the config, or None where _scaled_mm stays:
+    within `min_gain`, or every config failed)}."""
+    from bucketserve.kernels.fp8_ops import fp8_linear
+    from bucketserve.kernels.triton_gemv import fastest
 
-    n, k = weights[0].shape
+    n = weights[0].shape[0]
     result: dict[int, tuple[dict, tuple | None]] = {}
-    for b in BANDS[:BANDS.index(band(max(max_rows, 65))) + 1]:
-        calls = min(len(weights), 8 if b <= 2048 else 2)
-        ws, ss = weights[:calls], scales[:calls]
-        q, s = quantize_rows(torch.randn(b, k, device=ws[0].device, dtype=torch.bfloat16))
+    for b in bands_up_to(max_rows):
+        ws, ss, (q, s) = _band_inputs(b, weights, scales)
         out = torch.empty(b, n, device=q.device, dtype=torch.bfloat16)
         ref = fp8_linear((q, s), ws[0], ss[0], None, torch.bfloat16).float()
-        refmax = ref.abs().max().item() + 1e-6
-        lib = graph_us(lambda i, q=q, s=s, ws=ws, ss=ss: fp8_linear(
-            (q, s), ws[i], ss[i], None, torch.bfloat16), calls, trials=5)
-        best: tuple[float, tuple] | None = None
-        for cfg in candidates or CANDIDATES:
-            try:
-                fp8_mm(q, s, ws[0], ss[0], cfg, out=out)
-                if not (out.float() - ref).abs().max().item() / refmax < 2e-2:
-                    continue
-                us = graph_us(lambda i, cfg=cfg, q=q, s=s, out=out, ws=ws, ss=ss: fp8_mm(
-                    q, s, ws[i], ss[i], cfg, out=out), calls, trials=5)
-            except Exception:  # noqa: BLE001 - a config this GPU / Triton cannot run
-                continue
-            if best is None or us < best[0]:
-                best = (us, cfg)
-        info = {"scaled_mm_us": round(lib, 2)}
-        if best is not None:
-            info.update(triton_us=round(best[0], 2), config=list(best[1]))
-        won = best is not None and best[0] < lib * (1.0 - min_gain)
-        result[b] = (info, best[1] if won else None)
-        del q, s, out, ref
+        cfg, info = fastest(
+            lambda i, q=q, s=s, ws=ws, ss=ss: fp8_linear((q, s), ws[i], ss[i], None,
+                                                         torch.bfloat16),
+            lambda i, cfg, q=q, s=s, ws=ws, ss=ss, out=out: fp8_mm(q, s, ws[i], ss[i], cfg,
+                                                                   out=out),
+            out, ref, len(ws), candidates or CANDIDATES, min_gain)
+        result[b] = (info, cfg)
     return result
 
 
@@ -171,19 +171,16 @@ def choose_deferred(weights: list[torch.Tensor], scales: list[torch.Tensor],
     scales deferred to its reader (fp8_linear_deferred), over the rotating weights. Returns
     {band: (info, whether the deferred product is at least `min_gain` faster)}."""
     from bucketserve.kernels.cuda_timing import graph_us
-    from bucketserve.kernels.fp8_ops import fp8_linear, fp8_linear_deferred, quantize_rows
+    from bucketserve.kernels.fp8_ops import fp8_linear, fp8_linear_deferred
 
-    k = weights[0].shape[1]
     unit = torch.ones((), dtype=torch.float32, device=weights[0].device)
     result: dict[int, tuple[dict, bool]] = {}
-    for b in BANDS[:BANDS.index(band(max(max_rows, 65))) + 1]:
-        calls = min(len(weights), 8 if b <= 2048 else 2)
-        ws, ss = weights[:calls], scales[:calls]
-        x = quantize_rows(torch.randn(b, k, device=ws[0].device, dtype=torch.bfloat16))
+    for b in bands_up_to(max_rows):
+        ws, ss, x = _band_inputs(b, weights, scales)
         lib = graph_us(lambda i, x=x, ws=ws, ss=ss: fp8_linear(
-            x, ws[i], ss[i], None, torch.bfloat16), calls, trials=5)
+            x, ws[i], ss[i], None, torch.bfloat16), len(ws), trials=5)
         dfr = graph_us(lambda i, x=x, ws=ws, ss=ss: fp8_linear_deferred(
-            x, ws[i], ss[i], unit, torch.bfloat16), calls, trials=5)
+            x, ws[i], ss[i], unit, torch.bfloat16), len(ws), trials=5)
         result[b] = ({"row_wise_us": round(lib, 2), "deferred_us": round(dfr, 2)},
                      dfr < lib * (1.0 - min_gain))
         del x

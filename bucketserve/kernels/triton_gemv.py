@@ -200,7 +200,7 @@ def choose(weights: list[torch.Tensor], candidates: list[tuple[int, int, int, in
     x = torch.randn(1, k, device=ws[0].device, dtype=ws[0].dtype)
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     ref = F.linear(x, ws[0]).float()
-    return _fastest(lambda i: torch.mm(x, ws[i].t(), out=out),
+    return fastest(lambda i: torch.mm(x, ws[i].t(), out=out),
                     lambda i, cfg: gemv(x, ws[i], out, cfg), out, ref, len(ws),
                     candidates, min_gain)
 
@@ -218,7 +218,7 @@ def choose_fp8(weights: list[torch.Tensor], scales: list[torch.Tensor],
     q, s = quantize_rows(torch.randn(1, k, device=ws[0].device, dtype=torch.bfloat16))
     out = torch.empty(1, n, device=q.device, dtype=torch.bfloat16)
     ref = fp8_linear((q, s), ws[0], ss[0], None, torch.bfloat16).float()
-    return _fastest(lambda i: fp8_linear((q, s), ws[i], ss[i], None, torch.bfloat16),
+    return fastest(lambda i: fp8_linear((q, s), ws[i], ss[i], None, torch.bfloat16),
                     lambda i, cfg: gemv_fp8(q, s, ws[i], ss[i], out=out, config=cfg), out, ref,
                     len(ws), candidates, min_gain)
 
@@ -242,15 +242,15 @@ def choose_fp8_rows(weights: list[torch.Tensor], scales: list[torch.Tensor],
         def kernel(i, cfg, q=q, s=s, out=out):
             rows_fp8(q, s, ws[i], ss[i], config=cfg, out=out)
 
-        cfg, info = _fastest(lambda i, q=q, s=s: fp8_linear((q, s), ws[i], ss[i], None,
+        cfg, info = fastest(lambda i, q=q, s=s: fp8_linear((q, s), ws[i], ss[i], None,
                                                             torch.bfloat16),
                              kernel, out, ref, len(ws), candidates or ROW_CANDIDATES, min_gain)
         result[band] = (info, cfg)
     return result
 
 
-def _fastest(library, kernel, out: torch.Tensor, ref: torch.Tensor, calls: int,
-             candidates: list[tuple] | None, min_gain: float) -> tuple[tuple | None, dict]:
+def fastest(library, kernel, out: torch.Tensor, ref: torch.Tensor, calls: int,
+            candidates: list[tuple] | None, min_gain: float) -> tuple[tuple | None, dict]:
     """`library(i)` and `kernel(i, config)` (writing `out`) timed over the `calls` rotating
     weights; a config whose first result is off `ref` by 2% or more is never chosen."""
     library_us = graph_us(library, calls, trials=7)

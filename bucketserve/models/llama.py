@@ -431,6 +431,13 @@ def _project(proj: nn.Module, x, defer: bool):
     return proj(x, defer=True) if defer and isinstance(proj, Fp8Linear) else proj(x)
 
 
+def _by_band(chosen: dict[int, tuple[dict, object]]) -> tuple[dict, dict]:
+    """A per-row-band start-up measurement, {band: (info, choice)} -> ({band: choice},
+    {"bands": {band: info}}) for use_gemv's choice and its log row."""
+    return ({b: c for b, (_, c) in chosen.items()},
+            {"bands": {b: info for b, (info, _) in chosen.items()}})
+
+
 def _measured(mode: str, forced, measure, what: str, shape: tuple[int, int]) -> tuple:
     """use_gemv's choice for one weight shape: `forced` with mode "on", else `measure()`
     ((choice, info)); a measurement that raises (e.g. a GPU Triton cannot compile for)
@@ -759,9 +766,7 @@ class LlamaForCausalLM(nn.Module):
             # 2..64 rows (small decode batches): rows_fp8 per row band, the same way
 
             def rows_measured(ws=ws, ss=ss) -> tuple[dict, dict]:
-                chosen = triton_gemv.choose_fp8_rows(ws, ss)
-                return ({b: c for b, (_, c) in chosen.items()},
-                        {"bands": {b: r for b, (r, _) in chosen.items()}})
+                return _by_band(triton_gemv.choose_fp8_rows(ws, ss))
 
             bands, brow = _measured(
                 mode, {b: triton_gemv.ROW_CANDIDATES[0] for b in triton_gemv.ROW_BANDS},
@@ -780,10 +785,8 @@ class LlamaForCausalLM(nn.Module):
             from bucketserve.kernels import triton_fp8_gemm
 
             def tiles_measured(ws=ws, ss=ss) -> tuple[dict, dict]:
-                chosen = triton_fp8_gemm.choose_fp8_tiles(
-                    ws, ss, max_rows or triton_fp8_gemm.BANDS[-1])
-                return ({b: c for b, (_, c) in chosen.items()},
-                        {"bands": {b: r for b, (r, _) in chosen.items()}})
+                return _by_band(triton_fp8_gemm.choose_fp8_tiles(
+                    ws, ss, max_rows or triton_fp8_gemm.BANDS[-1]))
 
             tiles, trow = _measured(mode, None, tiles_measured, "FP8 tiles", shape)
             tiles = tiles or {}
@@ -816,10 +819,9 @@ class LlamaForCausalLM(nn.Module):
             ws, ss = [m.weight for m in mods], [m.weight_scale for m in mods]
 
             def measured(ws=ws, ss=ss) -> tuple[frozenset, dict]:
-                chosen = triton_fp8_gemm.choose_deferred(
-                    ws, ss, max_rows or triton_fp8_gemm.BANDS[-1])
-                return (frozenset(b for b, (_, won) in chosen.items() if won),
-                        {"bands": {b: r for b, (r, _) in chosen.items()}})
+                won, row = _by_band(triton_fp8_gemm.choose_deferred(
+                    ws, ss, max_rows or triton_fp8_gemm.BANDS[-1]))
+                return frozenset(b for b, w in won.items() if w), row
 
             bands, row = _measured("auto", None, measured, "FP8 deferred", shape)
             bands = bands or frozenset()
