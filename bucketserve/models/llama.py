@@ -797,7 +797,7 @@ class LlamaForCausalLM(nn.Module):
                 m.tiles = tiles if won else None
         # deferred scales for 65+ rows: an experiment until a GPU has run its tests and
         # measured it end to end (BUCKETSERVE_FP8_DEFER=1, docs/quantization.md)
-        if mode != "off" and os.environ.get("BUCKETSERVE_FP8_DEFER", "") == "1":
+        if os.environ.get("BUCKETSERVE_FP8_DEFER", "") == "1":  # ("off" returned above)
             info.update(self._use_deferred(max_rows))
         return info
 
