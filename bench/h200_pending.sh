@@ -27,7 +27,8 @@
 # /tmp/pending/<part>/ and keeps $OUT/<part>.tgz up to date after each of its runs (the device
 # tool returns at most 8 files, and what is under $OUT when a call runs out of time).
 # REPEATS (3), ORDER (structured: "A1 B1 B2 A2"; a run named F* is the tree with
-# BUCKETSERVE_OVERLAP_FILL=1, e.g. ORDER="B1 F1 F2 B2") and the timeouts (T_TESTS, T_RUN) can be
+# BUCKETSERVE_OVERLAP_FILL=1, e.g. ORDER="B1 F1 F2 B2"; T* and P*: the fill threads and the CPU
+# layout, FILL_THREADS and AFFINITY, see the part) and the timeouts (T_TESTS, T_RUN) can be
 # set in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,10 +65,11 @@ structured)
   # the host around each run: load, CPU steal (jiffies, cumulative) and bucketserve
   # processes left from an earlier run (schema runs varied 31-40k tok/s between servers)
   host() { echo "host $1: load $(cut -d' ' -f1-3 /proc/loadavg) steal $(awk '/^cpu /{print $9}' /proc/stat) left $(pgrep -fc 'bucketserve.server|bucketserve-' || true)"; }
-  one() {  # tag code [BUCKETSERVE_OVERLAP_FILL]
-    echo "== $1 $(date +%T) $(which_package "$2") overlap_fill=${3:-0}"
+  one() {  # tag code [BUCKETSERVE_OVERLAP_FILL [BUCKETSERVE_FILL_THREADS [BUCKETSERVE_CPU_AFFINITY]]]
+    echo "== $1 $(date +%T) $(which_package "$2") overlap_fill=${3:-0} fill_threads=${4:-default} affinity=${5:-off}"
     host before
-    (cd /tmp && BUCKETSERVE_OVERLAP_FILL=${3:-0} PYTHONPATH=$2:/tmp/site timeout "${T_RUN:-150}" python3 "$R/bench/structured_gpu.py" \
+    (cd /tmp && BUCKETSERVE_OVERLAP_FILL=${3:-0} BUCKETSERVE_FILL_THREADS=${4:-} BUCKETSERVE_CPU_AFFINITY=${5:-off} \
+      PYTHONPATH=$2:/tmp/site timeout "${T_RUN:-150}" python3 "$R/bench/structured_gpu.py" \
       --repeats "$REPEATS" --out "$O/structured_$1.json" --base-url http://127.0.0.1:8200 \
       --server-cmd "python3 -m bucketserve.server.cli serve --model $M --embedding-model none \
       --device cuda --port 8200 --buckets /tmp/ours.toml" > "$O/server_$1.log" 2>&1)
@@ -75,8 +77,17 @@ structured)
     grep -h "tok_s_ratio\|^plain:\|core loop" "$O/server_$1.log" | cut -c1-300
     save
   }
-  for run in ${ORDER:-A1 B1 B2 A2}; do  # A: .gpuassets/old; B: the tree; F: the tree, overlap_fill
-    case $run in A*) one "$run" "$OLD" ;; F*) one "$run" "$R" 1 ;; *) one "$run" "$R" ;; esac
+  # A: .gpuassets/old; B: the tree; F: the tree, overlap_fill; T: the tree, the mask fill on
+  # FILL_THREADS xgrammar threads (default 2); P: the tree, the engine core and the API workers
+  # on the cores AFFINITY names (default 0-5/6-15)
+  for run in ${ORDER:-A1 B1 B2 A2}; do
+    case $run in
+      A*) one "$run" "$OLD" ;;
+      F*) one "$run" "$R" 1 ;;
+      T*) one "$run" "$R" 0 "${FILL_THREADS:-2}" ;;
+      P*) one "$run" "$R" 0 "" "${AFFINITY:-0-5/6-15}" ;;
+      *) one "$run" "$R" ;;
+    esac
   done
   ;;
 gemm)

@@ -25,6 +25,17 @@ def test_layout_plans():
     for bad in ("1", "0/", "/1", "a/b", "0-/1", "3-1/0"):
         with pytest.raises(ValueError):
             cpu_threads.plan(bad, {0, 1})
+        with pytest.raises(ValueError):
+            cpu_threads.plan(bad, {0, 1}, device="cuda")
+
+
+def test_a_gpu_engine_takes_explicit_layouts_only():
+    # "auto" is the CPU engine's layout (the front end on one core): a GPU server runs
+    # several API workers, and pins only where the user names both core lists
+    assert cpu_threads.plan("auto", {0, 1, 2, 3}, device="cuda") is None
+    assert cpu_threads.plan("auto", {0, 1, 2, 3}, device="cuda:1") is None
+    assert cpu_threads.plan("off", {0, 1}, device="cuda") is None
+    assert cpu_threads.plan("0-5/6-15", {0}, device="cuda") == (set(range(6)), set(range(6, 16)))
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")

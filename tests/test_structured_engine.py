@@ -278,14 +278,18 @@ def test_terminated_is_the_matchers_after_every_accept(small_compiler):
     assert st.terminated  # the document, then EOS
 
 
-def test_grammar_masks_equal_one_row_at_a_time(small_compiler):
+@pytest.mark.parametrize("fill_threads", [None, "1", "3"])
+def test_grammar_masks_equal_one_row_at_a_time(small_compiler, fill_threads, monkeypatch):
     """GrammarMasks.apply over several steps (the same rows again, a new set of rows, a row whose
-    grammar has ended, one live row) masks each row as that row's own bitmask does."""
+    grammar has ended, one live row) masks each row as that row's own bitmask does, with the
+    batch fill on the default number of threads and on those BUCKETSERVE_FILL_THREADS names."""
     import torch
     import xgrammar as xgr
 
     from bucketserve.engine.structured import GrammarMasks
 
+    if fill_threads is not None:
+        monkeypatch.setenv("BUCKETSERVE_FILL_THREADS", fill_threads)
     vocab, _ = small_compiler
     states = [small_state(small_compiler) for _ in range(6)]
     for st, text in zip(states, ["", "y", "ma", "mayb", "n", "ye"], strict=True):
@@ -309,6 +313,26 @@ def test_grammar_masks_equal_one_row_at_a_time(small_compiler):
             states[r].matcher.fill_next_token_bitmask(bitmask, 0)
             xgr.apply_token_bitmask_inplace(want[r:r + 1], bitmask)
         assert torch.equal(got, want), step
+
+
+def test_fill_threads_setting():
+    from bucketserve.engine.structured import fill_threads
+
+    assert fill_threads("", cores=16) == 8
+    assert fill_threads("", cores=64) == 8
+    assert fill_threads("", cores=2) == 1
+    assert fill_threads("", cores=1) == 1
+    assert fill_threads("3", cores=16) == 3
+    assert fill_threads(" 12 ", cores=2) == 12
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(ValueError, match="BUCKETSERVE_FILL_THREADS"):
+            fill_threads(bad)
+
+
+def test_a_bad_fill_threads_value_fails_the_engine_start(loaded, monkeypatch):
+    monkeypatch.setenv("BUCKETSERVE_FILL_THREADS", "none")
+    with pytest.raises(ValueError, match="BUCKETSERVE_FILL_THREADS"):
+        LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), "cpu")
 
 
 def test_json_rows_mask_control_bytes_and_other_rows_keep_them():

@@ -358,11 +358,12 @@ def run_core_process(cfg: CoreConfig) -> None:
     code = 0
     try:
         try:
-            cores = None
-            if cfg.options.device == "cpu":  # BUCKETSERVE_CPU_AFFINITY (kernels/cpu_threads.py)
-                from bucketserve.kernels.cpu_threads import apply_engine_layout
+            # BUCKETSERVE_CPU_AFFINITY (kernels/cpu_threads.py)
+            from bucketserve.kernels.cpu_threads import apply_engine_layout
 
-                cores = apply_engine_layout()
+            cores = apply_engine_layout(cfg.options.device)
+            if cfg.options.device != "cpu":
+                cores = None  # (the CPU plan's threads only)
             seams = cfg.seams or Seams()
             engine = build_engine(cfg.options, seams.faults, cores)
             if seams.prepare_engine is not None:

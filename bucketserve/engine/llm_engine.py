@@ -159,6 +159,11 @@ class LLMEngine:
         if self.overlap_fill:
             log.info("experiment: guided mask fills start on a thread during the resolve "
                      "(BUCKETSERVE_OVERLAP_FILL=1)")
+        if os.environ.get("BUCKETSERVE_FILL_THREADS", "").strip():  # a bad value fails here
+            from bucketserve.engine.structured import fill_threads
+
+            log.info("experiment: guided mask fills on %d xgrammar threads "
+                     "(BUCKETSERVE_FILL_THREADS)", fill_threads())
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self.stats.kv_blocks_total = self.block_manager.num_usable_blocks

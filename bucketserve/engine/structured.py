@@ -113,6 +113,27 @@ def json_text_mask(tokenizer, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(np.packbits(bits, bitorder="little").view(np.int32).copy())
 
 
+FILL_THREADS_ENV = "BUCKETSERVE_FILL_THREADS"
+
+
+def fill_threads(value: str | None = None, cores: int | None = None) -> int:
+    """Threads of xgrammar's batch mask fill: `$BUCKETSERVE_FILL_THREADS` (an integer >= 1)
+    where set, else half the cores, 1 to 8. The fill returns when its slowest thread does, so
+    on a host whose cores the front ends keep busy fewer threads may finish sooner (an
+    experiment: structured-output.md). Raises ValueError on a malformed value."""
+    value = os.environ.get(FILL_THREADS_ENV, "") if value is None else value
+    if value.strip():
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"{FILL_THREADS_ENV}={value!r}: expected an integer >= 1")
+        return n
+    cores = cores if cores is not None else (os.cpu_count() or 2)
+    return min(8, max(1, cores // 2))
+
+
 class GrammarCompiler:
     """Compiles grammars on `threads` worker threads; futures cached by spec (LRU)."""
 
@@ -268,7 +289,7 @@ class GrammarMasks:
 
     def _batch_matcher(self) -> xgr.BatchGrammarMatcher:
         if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher(min(8, max(1, (os.cpu_count() or 2) // 2)))
+            self._batch = xgr.BatchGrammarMatcher(fill_threads())
         return self._batch
 
     def start(self, rows: list[int], states: list[GrammarState], b: int, vocab: int,

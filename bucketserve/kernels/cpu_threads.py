@@ -12,7 +12,11 @@ core that one of the team's threads runs on, the whole team waits. Layouts:
                                  front end on the last core (vLLM's CPU build does this)
   BUCKETSERVE_CPU_AFFINITY=E/F   explicit core lists, e.g. "0/1" or "0-2/3"
 
-Only the split server applies a layout (`--engine-in-process` runs both in one process).
+Only the split server applies a layout (`--engine-in-process` runs both in one process). With
+a GPU engine (`--device cuda`) only an explicit E/F layout applies ("auto" is the CPU engine's
+layout): the engine core process (its loop, the grammar compile and fill threads) on E, every
+API worker on F. There it is an experiment: whether keeping the front ends off the engine
+loop's cores steadies a guided step (docs/structured-output.md).
 """
 
 from __future__ import annotations
@@ -47,15 +51,18 @@ def _cpus(text: str) -> set[int]:
     return out
 
 
-def plan(value: str | None = None, available: set[int] | None = None
+def plan(value: str | None = None, available: set[int] | None = None, device: str = "cpu"
          ) -> tuple[set[int], set[int]] | None:
-    """(engine cores, front-end cores) for the layout named by `value` (default: $ENV), or
-    None when nothing is to be pinned. Raises ValueError on a malformed value."""
+    """(engine cores, front-end cores) for the layout named by `value` (default: $ENV) of an
+    engine on `device`, or None when nothing is to be pinned. Raises ValueError on a
+    malformed value."""
     value = (os.environ.get(ENV, "off") if value is None else value).strip().lower()
     if value in ("", "off", "0", "none"):
         return None
     avail = sorted(available if available is not None else os.sched_getaffinity(0))
     if value == "auto":
+        if device != "cpu":
+            return None
         if len(avail) < 2:
             return None
         return set(avail[:-1]), {avail[-1]}
@@ -83,11 +90,11 @@ def pin_process(cpus: set[int]) -> None:
             pass
 
 
-def apply_engine_layout() -> int | None:
+def apply_engine_layout(device: str = "cpu") -> int | None:
     """In the engine core process, before the model runs: pin it; returns its number of
     cores (the compute threads of a CPU plan whose threads are "auto"), or None when nothing
     was pinned."""
-    layout = plan()
+    layout = plan(device=device)
     if layout is None:
         return None
     engine, _ = layout
@@ -96,9 +103,9 @@ def apply_engine_layout() -> int | None:
     return len(engine)
 
 
-def apply_frontend_layout() -> None:
-    """In the front-end process, once the engine core process runs: pin the front end."""
-    layout = plan()
+def apply_frontend_layout(device: str = "cpu") -> None:
+    """In a front-end process, once the engine core process runs: pin the front end."""
+    layout = plan(device=device)
     if layout is None:
         return
     _, front = layout

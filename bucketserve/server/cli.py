@@ -114,10 +114,10 @@ def serve(args: argparse.Namespace, seams: Seams | None = None) -> int:
         import torch
 
         torch.set_num_threads(1)  # no model work in this process: leave the cores to the engine
-    if args.device == "cpu" and not args.engine_in_process:
+    if not args.engine_in_process:
         from bucketserve.kernels.cpu_threads import apply_frontend_layout
 
-        apply_frontend_layout()  # BUCKETSERVE_CPU_AFFINITY; the core pinned itself
+        apply_frontend_layout(args.device)  # BUCKETSERVE_CPU_AFFINITY; the core pinned itself
     return run_http(args, engine, add_ons)
 
 

@@ -207,6 +207,9 @@ def run_worker(args: argparse.Namespace, index: int, directory: str, core_pid: i
         sys.exit(2)
     if index == 0:
         log.info("engine core ready in process %d", core.pid)
+    from bucketserve.kernels.cpu_threads import apply_frontend_layout
+
+    apply_frontend_layout(args.device)  # BUCKETSERVE_CPU_AFFINITY; the core pinned itself
     engine = AsyncEngine(core, seams.faults if seams else None)
     try:
         if add_ons is None:
