@@ -29,11 +29,13 @@ def loaded():
     return load_model("smollm2-135m-instruct", device="cpu")
 
 
-@pytest.fixture(scope="module", params=["sync", "overlapped", "overlapped_fill"])
+@pytest.fixture(scope="module",
+                params=["sync", "overlapped", "overlapped_fill", "overlapped_early_fill"])
 def engine(request, loaded):
     eng = LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), "cpu",
                     async_scheduling=request.param != "sync")
-    eng.overlap_fill = request.param == "overlapped_fill"
+    eng.overlap_fill = request.param.endswith("_fill")
+    eng.early_fill = request.param == "overlapped_early_fill"
     return eng
 
 
@@ -375,8 +377,11 @@ def test_mask_fill_on_a_thread_gives_the_same_tokens(loaded, monkeypatch):
     """LLMEngine.overlap_fill: the guided rows' masks are filled on the fill thread while the
     resolve goes on, and every guided step with two rows or more takes that fill; the tokens
     are those of the same requests without it (greedy), with stops and a grammar ending
-    mid-batch."""
-    from bucketserve.engine.structured import GrammarMasks
+    mid-batch. `early_fill`: the same, with the accepts and the fill started at the end of
+    the call that queued the step (on the CPU the tokens are always on the host by then), and
+    the resolve taking the kept accept results instead of accepting again."""
+    from bucketserve.engine.runner import RunnerStep
+    from bucketserve.engine.structured import GrammarMasks, GrammarState
 
     taken: list[bool] = []  # per apply that found a started fill: whether it was its own
     take = GrammarMasks._take_pending
@@ -389,6 +394,23 @@ def test_mask_fill_on_a_thread_gives_the_same_tokens(loaded, monkeypatch):
         return got
 
     monkeypatch.setattr(GrammarMasks, "_take_pending", spy)
+    early_steps: list[RunnerStep] = []
+    accept_early = LLMEngine._accept_early
+
+    def spy_early(self):
+        accept_early(self)
+        if self._inflight is not None and self._inflight.early_accepted is not None:
+            early_steps.append(self._inflight)
+
+    monkeypatch.setattr(LLMEngine, "_accept_early", spy_early)
+    accepts = [0]
+    accept = GrammarState.accept
+
+    def count_accept(self, token):
+        accepts[0] += 1
+        return accept(self, token)
+
+    monkeypatch.setattr(GrammarState, "accept", count_accept)
     buckets = load_buckets(None, max_model_len=loaded.max_model_len)
     p = [prompt_for(loaded, f"Describe person {i} as JSON.") for i in range(6)]
     params = [SamplingParams(max_tokens=60, temperature=0,
@@ -396,18 +418,30 @@ def test_mask_fill_on_a_thread_gives_the_same_tokens(loaded, monkeypatch):
         SamplingParams(max_tokens=20, temperature=0,
                        guided=GuidedDecoding("choice", json.dumps(["red", "green", "blue"]))),
         SamplingParams(max_tokens=12, temperature=0)]
-    outs = {}
-    for fill in (False, True):
+    outs, num_accepts = {}, {}
+    for mode in ("off", "fill", "early"):
         eng = LLMEngine(loaded, buckets, "cpu", async_scheduling=True)
-        eng.overlap_fill = fill
+        eng.overlap_fill = mode != "off"
+        eng.early_fill = mode == "early"
         taken.clear()
-        outs[fill] = [(o.token_ids, o.finish_reason) for o in eng.generate(p, params)]
-        if fill:  # the steady guided steps took the fill started for them
+        early_steps.clear()
+        accepts[0] = 0
+        outs[mode] = [(o.token_ids, o.finish_reason) for o in eng.generate(p, params)]
+        num_accepts[mode] = accepts[0]
+        if mode != "off":  # the steady guided steps took the fill started for them
             assert len(taken) > 10 and all(taken), taken
         else:
             assert taken == []
-    assert outs[True] == outs[False]
-    assert [reason for _, reason in outs[True][:4]] == ["stop"] * 4  # JSON documents end
+        if mode == "early":  # the steady steps accepted early, each step once
+            assert len(early_steps) > 10
+            assert len(set(map(id, early_steps))) == len(early_steps)
+        else:
+            assert early_steps == []
+    assert outs["fill"] == outs["off"] and outs["early"] == outs["off"]
+    # a token is accepted once with the early accepts too (the resolve takes their results);
+    # both accept before the stops are applied, so a row's ending token is accepted as well
+    assert num_accepts["early"] == num_accepts["fill"] >= num_accepts["off"]
+    assert [reason for _, reason in outs["off"][:4]] == ["stop"] * 4  # JSON documents end
 
 
 def test_needs_host_tokens_for_a_pending_grammar_or_penalty():

@@ -155,10 +155,17 @@ class LLMEngine:
         # once the previous step's tokens are accepted, and the rest of that resolve runs
         # while xgrammar fills (it releases the GIL). BUCKETSERVE_OVERLAP_FILL=1 turns it on
         # (bench/h200_pending.sh measures it); docs/structured-output.md says why.
-        self.overlap_fill = os.environ.get("BUCKETSERVE_OVERLAP_FILL", "") == "1"
+        # BUCKETSERVE_OVERLAP_FILL=2 (`early_fill`) starts it sooner: at the end of the call
+        # that queues the next guided forward, when the in-flight step's tokens are already
+        # on the host; the fill then runs while the caller sends the step's outputs
+        overlap = os.environ.get("BUCKETSERVE_OVERLAP_FILL", "").strip()
+        self.overlap_fill = overlap in ("1", "2")
+        self.early_fill = overlap == "2"
         if self.overlap_fill:
-            log.info("experiment: guided mask fills start on a thread during the resolve "
-                     "(BUCKETSERVE_OVERLAP_FILL=1)")
+            log.info("experiment: guided mask fills start on a thread %s "
+                     "(BUCKETSERVE_OVERLAP_FILL=%s)", "once the tokens reach the host, "
+                     "as early as the end of the previous call" if self.early_fill
+                     else "during the resolve", overlap)
         if os.environ.get("BUCKETSERVE_FILL_THREADS", "").strip():  # a bad value fails here
             from bucketserve.engine.structured import fill_threads
 
@@ -393,6 +400,34 @@ class LLMEngine:
                 self._queued = (nxt, self.runner.launch_forward(nxt))
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
             results += self._fail_step(nxt, exc)
+            return
+        if self.early_fill:
+            self._accept_early()
+
+    def _accept_early(self) -> None:
+        """`early_fill`: when the in-flight step's tokens are on the host already, its guided
+        rows accept them now and the queued step's masks start filling on the fill thread,
+        while the caller sends this call's outputs; the next call's resolve takes the kept
+        accept results (`RunnerStep.early_accepted`). Otherwise that resolve does both, as
+        with `overlap_fill`. Never waits for the device."""
+        step, queued = self._inflight, self._queued
+        if step is None or queued is None or not step.sample_seqs or not step.done():
+            return
+        try:
+            out = step.result()
+        except Exception:  # noqa: BLE001 - raised again, and handled, in the resolve
+            return
+        seqs = step.batch.seqs
+        accepted: dict[int, bool] = {}
+        for j, (i, token) in enumerate(zip(out.seqs, out.ids, strict=True)):
+            seq = seqs[i]
+            if seq.grammar is not None and seq.status is not FINISHED:
+                accepted[j] = seq.grammar.accept(token)
+        step.early_accepted = accepted
+        try:
+            self._start_masks(queued[1])
+        except Exception:  # noqa: BLE001 - the sampling then fills the masks itself
+            log.exception("starting the grammar masks on the fill thread failed")
 
     def _fire_step_faults(self, batch) -> None:
         """The injected faults of a step's model run (tests and benchmarks only), once per
@@ -414,7 +449,8 @@ class LLMEngine:
         """Hands a launched step's sampled tokens to the scheduler and the output processor.
         A sequence that finished after the step was launched (a stop in the previous step's
         tokens, an abort) drops its token: it is never emitted. With `start_masks`, the
-        grammars accept their tokens first, then `start_masks()` runs, then the rest."""
+        grammars accept their tokens first, then `start_masks()` runs, then the rest; where
+        `_accept_early` accepted them already (and started the masks), the rest alone."""
         try:
             out = step.result()  # the step's device work (and errors) surface here
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
@@ -422,8 +458,8 @@ class LLMEngine:
         self.num_failed_steps = 0
         results: list[News] = []
         seqs = step.batch.seqs
-        accepted: dict[int, bool] | None = None
-        if start_masks is not None:
+        accepted: dict[int, bool] | None = step.early_accepted  # (`_accept_early`)
+        if accepted is None and start_masks is not None:
             # a token the next pass ends the sequence with (EOS, max_tokens, a stop) is
             # accepted too: harmless, the sequence ends; a rejection then counts only where
             # the sequence goes on, as when the accept comes after on_sampled

@@ -350,6 +350,13 @@ class RunnerStep:
         self._ready = ready
         self._logprobs = logprobs
         self._output: RunnerOutput | None = None
+        # the guided rows' accept results, where the engine took them before the resolve
+        # (LLMEngine._accept_early): index in the output -> accepted
+        self.early_accepted: dict[int, bool] | None = None
+
+    def done(self) -> bool:
+        """True when `result()` would not wait for the device."""
+        return self._output is not None or self._ready is None or self._ready.query()
 
     def result(self) -> RunnerOutput:
         if self._output is None:
