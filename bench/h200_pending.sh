@@ -80,12 +80,13 @@ structured)
   # A: .gpuassets/old; B: the tree; F: the tree, overlap_fill; E: the tree, overlap_fill
   # started at the end of the previous call (BUCKETSERVE_OVERLAP_FILL=2); T: the tree, the mask fill on
   # FILL_THREADS xgrammar threads (default 2); P: the tree, the engine core and the API workers
-  # on the cores AFFINITY names (default 0-5/6-15)
+  # on the cores AFFINITY names (default 0-5/6-15); X: E, T (default 4) and P at once
   for run in ${ORDER:-A1 B1 B2 A2}; do
     case $run in
       A*) one "$run" "$OLD" ;;
       F*) one "$run" "$R" 1 ;;
       E*) one "$run" "$R" 2 ;;
+      X*) one "$run" "$R" 2 "${FILL_THREADS:-4}" "${AFFINITY:-0-5/6-15}" ;;
       T*) one "$run" "$R" 0 "${FILL_THREADS:-2}" ;;
       P*) one "$run" "$R" 0 "" "${AFFINITY:-0-5/6-15}" ;;
       *) one "$run" "$R" ;;
