@@ -435,6 +435,8 @@ def test_mask_fill_on_a_thread_gives_the_same_tokens(loaded, monkeypatch):
         if mode == "early":  # the steady steps accepted early, each step once
             assert len(early_steps) > 10
             assert len(set(map(id, early_steps))) == len(early_steps)
+            # (on the CPU a launched step's tokens are on the host at once: never missed)
+            assert eng.early_fills == {"taken": len(early_steps), "missed": 0}
         else:
             assert early_steps == []
     assert outs["fill"] == outs["off"] and outs["early"] == outs["off"]
@@ -499,3 +501,25 @@ def test_overlapped_news_reach_the_core_once_per_step(loaded):
     assert finished == set(want)
     assert {rid: len(ids) for rid, ids in got.items()} == want
     assert not eng.outputs.states
+
+
+def test_early_fill_never_waits_for_the_device(overlapped):
+    """`_accept_early` with the in-flight step's tokens not yet on the host (a CUDA event not
+    reached) leaves the step to the next resolve: no result taken, no accept, counted missed."""
+    from types import SimpleNamespace
+
+    def result():
+        raise AssertionError("result() would wait for the device")
+
+    step = SimpleNamespace(sample_seqs=[0], done=lambda: False, result=result,
+                           early_accepted=None)
+    inflight, queued, counts = overlapped._inflight, overlapped._queued, overlapped.early_fills
+    overlapped._inflight, overlapped._queued = step, (None, None)
+    overlapped.early_fills = {"taken": 0, "missed": 0}
+    try:
+        overlapped._accept_early()
+        assert step.early_accepted is None
+        assert overlapped.early_fills == {"taken": 0, "missed": 1}
+    finally:
+        overlapped._inflight, overlapped._queued = inflight, queued
+        overlapped.early_fills = counts

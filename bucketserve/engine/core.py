@@ -177,6 +177,10 @@ def log_core_timing(timing: dict[str, float], engine: LLMEngine) -> None:
              "the device %.0f), send %.0f", n, per["intake_s"], per["step_s"],
              rt["prepare_s"] / n * 1e6, rt["forward_s"] / n * 1e6, rt["sample_s"] / n * 1e6,
              rt.get("wait_s", 0.0) / n * 1e6, per["send_s"])
+    if getattr(engine, "early_fill", False):
+        log.info("early mask fills (BUCKETSERVE_OVERLAP_FILL=2): %(taken)d steps with the "
+                 "tokens on the host at the end of the call, %(missed)d without",
+                 engine.early_fills)
 
 
 # ---- the core in its own process ---------------------------------------------------------

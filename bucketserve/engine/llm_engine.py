@@ -161,6 +161,9 @@ class LLMEngine:
         overlap = os.environ.get("BUCKETSERVE_OVERLAP_FILL", "").strip()
         self.overlap_fill = overlap in ("1", "2")
         self.early_fill = overlap == "2"
+        # early_fill's account (logged with the core loop's at exit): steps whose tokens were
+        # on the host at the end of the call ("taken") or not yet ("missed")
+        self.early_fills = {"taken": 0, "missed": 0}
         if self.overlap_fill:
             log.info("experiment: guided mask fills start on a thread %s "
                      "(BUCKETSERVE_OVERLAP_FILL=%s)", "once the tokens reach the host, "
@@ -411,7 +414,10 @@ class LLMEngine:
         accept results (`RunnerStep.early_accepted`). Otherwise that resolve does both, as
         with `overlap_fill`. Never waits for the device."""
         step, queued = self._inflight, self._queued
-        if step is None or queued is None or not step.sample_seqs or not step.done():
+        if step is None or queued is None or not step.sample_seqs:
+            return
+        if not step.done():
+            self.early_fills["missed"] += 1
             return
         try:
             out = step.result()
@@ -424,6 +430,7 @@ class LLMEngine:
             if seq.grammar is not None and seq.status is not FINISHED:
                 accepted[j] = seq.grammar.accept(token)
         step.early_accepted = accepted
+        self.early_fills["taken"] += 1
         try:
             self._start_masks(queued[1])
         except Exception:  # noqa: BLE001 - the sampling then fills the masks itself
