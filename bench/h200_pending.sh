@@ -78,7 +78,8 @@ structured)
     save
   }
   # A: .gpuassets/old; B: the tree; F: the tree, overlap_fill; E: the tree, overlap_fill
-  # started at the end of the previous call (BUCKETSERVE_OVERLAP_FILL=2); T: the tree, the mask fill on
+  # started at the end of the previous call (BUCKETSERVE_OVERLAP_FILL=2); S: the tree, the next
+  # step scheduled and prepared while the fill runs (=3); T: the tree, the mask fill on
   # FILL_THREADS xgrammar threads (default 2); P: the tree, the engine core and the API workers
   # on the cores AFFINITY names (default 0-5/6-15); X: E, T (default 4) and P at once
   for run in ${ORDER:-A1 B1 B2 A2}; do
@@ -86,6 +87,7 @@ structured)
       A*) one "$run" "$OLD" ;;
       F*) one "$run" "$R" 1 ;;
       E*) one "$run" "$R" 2 ;;
+      S*) one "$run" "$R" 3 ;;
       X*) one "$run" "$R" 2 "${FILL_THREADS:-4}" "${AFFINITY:-0-5/6-15}" ;;
       T*) one "$run" "$R" 0 "${FILL_THREADS:-2}" ;;
       P*) one "$run" "$R" 0 "" "${AFFINITY:-0-5/6-15}" ;;

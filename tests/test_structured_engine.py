@@ -29,13 +29,14 @@ def loaded():
     return load_model("smollm2-135m-instruct", device="cpu")
 
 
-@pytest.fixture(scope="module",
-                params=["sync", "overlapped", "overlapped_fill", "overlapped_early_fill"])
+@pytest.fixture(scope="module", params=["sync", "overlapped", "overlapped_fill",
+                                        "overlapped_early_fill", "overlapped_ahead"])
 def engine(request, loaded):
     eng = LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), "cpu",
                     async_scheduling=request.param != "sync")
-    eng.overlap_fill = request.param.endswith("_fill")
+    eng.overlap_fill = request.param.endswith(("_fill", "_ahead"))
     eng.early_fill = request.param == "overlapped_early_fill"
+    eng.schedule_ahead = request.param == "overlapped_ahead"
     return eng
 
 
@@ -411,6 +412,16 @@ def test_mask_fill_on_a_thread_gives_the_same_tokens(loaded, monkeypatch):
         return accept(self, token)
 
     monkeypatch.setattr(GrammarState, "accept", count_accept)
+    from bucketserve.engine.runner import ModelRunner
+
+    prepared_ahead = [0]  # schedule_ahead: steps prepared before the sampling of the one before
+    prepare = ModelRunner.prepare_forward
+
+    def count_prepare(self, batch, after=None):
+        prepared_ahead[0] += after is not None
+        return prepare(self, batch, after)
+
+    monkeypatch.setattr(ModelRunner, "prepare_forward", count_prepare)
     buckets = load_buckets(None, max_model_len=loaded.max_model_len)
     p = [prompt_for(loaded, f"Describe person {i} as JSON.") for i in range(6)]
     params = [SamplingParams(max_tokens=60, temperature=0,
@@ -419,13 +430,14 @@ def test_mask_fill_on_a_thread_gives_the_same_tokens(loaded, monkeypatch):
                        guided=GuidedDecoding("choice", json.dumps(["red", "green", "blue"]))),
         SamplingParams(max_tokens=12, temperature=0)]
     outs, num_accepts = {}, {}
-    for mode in ("off", "fill", "early"):
+    for mode in ("off", "fill", "early", "ahead"):
         eng = LLMEngine(loaded, buckets, "cpu", async_scheduling=True)
         eng.overlap_fill = mode != "off"
         eng.early_fill = mode == "early"
+        eng.schedule_ahead = mode == "ahead"
         taken.clear()
         early_steps.clear()
-        accepts[0] = 0
+        accepts[0] = prepared_ahead[0] = 0
         outs[mode] = [(o.token_ids, o.finish_reason) for o in eng.generate(p, params)]
         num_accepts[mode] = accepts[0]
         if mode != "off":  # the steady guided steps took the fill started for them
@@ -439,10 +451,16 @@ def test_mask_fill_on_a_thread_gives_the_same_tokens(loaded, monkeypatch):
             assert eng.early_fills == {"taken": len(early_steps), "missed": 0}
         else:
             assert early_steps == []
+        if mode == "ahead":  # the steady steps were prepared ahead of the sampling before
+            assert prepared_ahead[0] > 10
+        else:
+            assert prepared_ahead[0] == 0
     assert outs["fill"] == outs["off"] and outs["early"] == outs["off"]
+    assert outs["ahead"] == outs["off"]
     # a token is accepted once with the early accepts too (the resolve takes their results);
     # both accept before the stops are applied, so a row's ending token is accepted as well
-    assert num_accepts["early"] == num_accepts["fill"] >= num_accepts["off"]
+    assert num_accepts["early"] == num_accepts["fill"] == num_accepts["ahead"]
+    assert num_accepts["fill"] >= num_accepts["off"]
     assert [reason for _, reason in outs["off"][:4]] == ["stop"] * 4  # JSON documents end
 
 
@@ -523,3 +541,28 @@ def test_early_fill_never_waits_for_the_device(overlapped):
     finally:
         overlapped._inflight, overlapped._queued = inflight, queued
         overlapped.early_fills = counts
+
+
+def test_schedule_ahead_keeps_min_tokens_and_penalties(loaded):
+    """`schedule_ahead` counts a step's token as pending before the step samples, so its
+    sampling runs with a pending offset of -1: min_tokens must ban the stop tokens for exactly
+    as long as without it. Each request stops at the token greedy decoding (with the same
+    repetition penalty) gives at position m - 1, and has min_tokens m: that token is banned
+    there, so an offset off by one shows as a different output."""
+    buckets = load_buckets(None, max_model_len=loaded.max_model_len)
+    p = prompt_for(loaded, "Tell me a story about a cat.")
+    base = SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.2)
+    ref = LLMEngine(loaded, buckets, "cpu", async_scheduling=True).generate([p], base)[0]
+    assert len(ref.token_ids) == 24
+    ms = list(range(2, 14, 2))
+    params = [SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.2,
+                             min_tokens=m, stop_token_ids=[ref.token_ids[m - 1]]) for m in ms]
+    outs = {}
+    for mode in ("off", "ahead"):
+        eng = LLMEngine(loaded, buckets, "cpu", async_scheduling=True)
+        eng.overlap_fill = eng.schedule_ahead = mode == "ahead"
+        got = eng.generate([p] * len(ms), params)
+        outs[mode] = [(o.token_ids, o.finish_reason) for o in got]
+        for (ids, _), m in zip(outs[mode], ms, strict=True):
+            assert len(ids) >= m
+    assert outs["ahead"] == outs["off"]

@@ -43,8 +43,11 @@ def smollm2_tokenizer():
         pytest.skip(f"no SmolLM2 tokenizer here ({exc}); set SMOLLM2_TOKENIZER_DIR")
 
 
-@pytest.mark.parametrize("overlapped", [False, True], ids=["sync", "overlapped"])
+@pytest.mark.parametrize("overlapped", [False, True, "fill", "early", "ahead"],
+                         ids=["sync", "overlapped", "fill", "early_fill", "schedule_ahead"])
 def test_guided_outputs_on_cuda_graphs(overlapped):
+    """Every kind of guide, sampled greedily and not, beside plain rows, with each way of
+    overlapping the grammar's host work (LLMEngine.overlap_fill, early_fill, schedule_ahead)."""
     from bucketserve.buckets import load_buckets
     from bucketserve.engine.llm_engine import LLMEngine
     from bucketserve.engine.sequence import GuidedDecoding, SamplingParams
@@ -59,7 +62,10 @@ def test_guided_outputs_on_cuda_graphs(overlapped):
     model = build_dummy_model(cfg, "cuda", torch.bfloat16, seed=0)
     loaded = LoadedModel(model, tok, cfg, "smollm2-shape-random", 8192)
     engine = LLMEngine(loaded, load_buckets(None, max_model_len=8192), "cuda", num_blocks=2048,
-                       async_scheduling=overlapped)
+                       async_scheduling=bool(overlapped))
+    engine.overlap_fill = overlapped in ("fill", "early", "ahead")
+    engine.early_fill = overlapped == "early"
+    engine.schedule_ahead = overlapped == "ahead"
     prompt = tok.encode("Describe a person as JSON:")
     # every kind bounded (json_object alone is not: a random model writes strings forever)
     guided = [GuidedDecoding("json", json.dumps(PERSON)), GuidedDecoding("json", json.dumps(PICK)),

@@ -158,9 +158,17 @@ class LLMEngine:
         # BUCKETSERVE_OVERLAP_FILL=2 (`early_fill`) starts it sooner: at the end of the call
         # that queues the next guided forward, when the in-flight step's tokens are already
         # on the host; the fill then runs while the caller sends the step's outputs
+        # BUCKETSERVE_OVERLAP_FILL=3 (`schedule_ahead`, with overlap_fill): while the fill
+        # runs, the step after is scheduled and its inputs prepared (ahead of this step's
+        # sampling), so that its forward is queued right behind that sampling
         overlap = os.environ.get("BUCKETSERVE_OVERLAP_FILL", "").strip()
-        self.overlap_fill = overlap in ("1", "2")
+        self.overlap_fill = overlap in ("1", "2", "3")
         self.early_fill = overlap == "2"
+        self.schedule_ahead = overlap == "3"
+        # schedule_ahead's state: (the next batch, its PreparedForward), and whether this
+        # call's step was taken by the scheduler (on_launched) before its sampling
+        self._ahead: tuple | None = None
+        self._launched_early = False
         # early_fill's account (logged with the core loop's at exit): steps whose tokens were
         # on the host at the end of the call ("taken") or not yet ("missed")
         self.early_fills = {"taken": 0, "missed": 0}
@@ -168,7 +176,8 @@ class LLMEngine:
             log.info("experiment: guided mask fills start on a thread %s "
                      "(BUCKETSERVE_OVERLAP_FILL=%s)", "once the tokens reach the host, "
                      "as early as the end of the previous call" if self.early_fill
-                     else "during the resolve", overlap)
+                     else "during the resolve, and the next step is scheduled and prepared "
+                     "meanwhile" if self.schedule_ahead else "during the resolve", overlap)
         if os.environ.get("BUCKETSERVE_FILL_THREADS", "").strip():  # a bad value fails here
             from bucketserve.engine.structured import fill_threads
 
@@ -292,8 +301,16 @@ class LLMEngine:
             # (its faults fired when its forward was queued)
             batch, forward = queued
             start = (lambda: self._start_masks(forward)) if self.overlap_fill else None
-            step = self._launch(batch, results, lambda held: self.runner.sample_queued(
-                forward, held), needs_host_tokens=True, fire_faults=False, start_masks=start)
+            if self.schedule_ahead and hasattr(self.runner, "prepare_forward"):
+                # (on_launched counts the step's own token before it samples: offset -1)
+                step = self._launch(batch, results, lambda held: self.runner.sample_queued(
+                    forward, held, pending_offset=-1), needs_host_tokens=True,
+                    fire_faults=False, start_masks=start,
+                    then=lambda: self._schedule_ahead(batch, forward, results))
+            else:
+                step = self._launch(batch, results, lambda held: self.runner.sample_queued(
+                    forward, held), needs_host_tokens=True, fire_faults=False,
+                    start_masks=start)
             if step is not None:
                 self._after_launch(batch, step, results, t0)
             return results
@@ -321,7 +338,8 @@ class LLMEngine:
                 launch: Callable[[Callable[[], None] | None], RunnerStep],
                 needs_host_tokens: bool | None = None,
                 fire_faults: bool = True,
-                start_masks: Callable[[], None] | None = None) -> RunnerStep | None:
+                start_masks: Callable[[], None] | None = None,
+                then: Callable[[], None] | None = None) -> RunnerStep | None:
         """Launches `batch` (`launch(before_sample)`: the whole step, or the sampling of a
         queued forward) and resolves the in-flight step: inside the launch, after the forward
         is queued and before the sampling, when this step's sampling reads the newest tokens
@@ -329,7 +347,8 @@ class LLMEngine:
         else after it. `needs_host_tokens`: that test's answer where the caller has it (None:
         asked here). `start_masks`: called by the held resolve once its tokens are
         accepted (`overlap_fill`). None: the step failed (its requests' news are in
-        `results`)."""
+        `results`). `then`: runs after the held resolve, before the sampling
+        (`schedule_ahead`)."""
         prev, self._inflight = self._inflight, None
         held: list[RunnerStep] = []
         if prev is not None and (self._needs_host_tokens(batch) if needs_host_tokens is None
@@ -340,19 +359,29 @@ class LLMEngine:
             if held:
                 results.extend(self._resolve(held.pop(), start_masks))
 
+        def before_sample() -> None:
+            resolve_held()
+            if then is not None:
+                then()
+
+        self._launched_early = False
         try:
             if fire_faults:
                 self._fire_step_faults(batch)
             with self._nvtx(batch):
-                step = launch(resolve_held if held else None)
+                step = launch(before_sample if held or then is not None else None)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
             resolve_held()
             if prev is not None:
                 results += self._resolve(prev)
             results += self._fail_step(batch, exc)
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:  # its placeholders wait for tokens this step never made
+                results += self._fail_step(ahead[0], exc)
             return None
         resolve_held()
-        self.scheduler.on_launched(batch, step.sample_seqs)
+        if not self._launched_early:
+            self.scheduler.on_launched(batch, step.sample_seqs)
         if self.async_scheduling:
             self._inflight = step
             if prev is not None:
@@ -379,17 +408,29 @@ class LLMEngine:
             num_preemptions=batch.num_preemptions, num_waiting=self.scheduler.num_waiting,
             num_running=self.scheduler.num_running, step_time_s=time.perf_counter() - t0,
             padding_tokens=step.num_padding))
-        if not (self.async_scheduling and self._inflight is step and step.sample_seqs
-                and self._needs_host_tokens(batch)):
-            return
-        nxt = self.scheduler.schedule()
-        results += self._finished_by_scheduler(nxt)
-        if nxt.is_empty:
-            return
+        prepared = None
+        if self._launched_early:  # schedule_ahead: the next step is scheduled and prepared
+            ahead, self._ahead = self._ahead, None
+            if ahead is None:
+                return
+            nxt, prepared = ahead
+        else:
+            if not (self.async_scheduling and self._inflight is step and step.sample_seqs
+                    and self._needs_host_tokens(batch)):
+                return
+            nxt = self.scheduler.schedule()
+            results += self._finished_by_scheduler(nxt)
+            if nxt.is_empty:
+                return
         if not self._needs_host_tokens(nxt):  # nothing waits on the host: the whole step now
             t1 = time.perf_counter()
-            step = self._launch(nxt, results, lambda held: self.runner.launch(nxt, held),
-                                needs_host_tokens=False)
+            if prepared is None:
+                step = self._launch(nxt, results, lambda held: self.runner.launch(nxt, held),
+                                    needs_host_tokens=False)
+            else:  # (its faults fired where it was prepared)
+                step = self._launch(nxt, results, lambda held: self.runner.sample_queued(
+                    self.runner.enqueue_forward(prepared), held), needs_host_tokens=False,
+                    fire_faults=False)
             if step is not None:
                 self._after_launch(nxt, step, results, t1)
             # this call resolved two steps: a sequence of both has two entries, and the
@@ -398,14 +439,40 @@ class LLMEngine:
             results[:] = _once_per_sequence(results)
             return
         try:
-            self._fire_step_faults(nxt)
+            if prepared is None:
+                self._fire_step_faults(nxt)
             with self._nvtx(nxt):
-                self._queued = (nxt, self.runner.launch_forward(nxt))
+                self._queued = (nxt, self.runner.launch_forward(nxt) if prepared is None
+                                else self.runner.enqueue_forward(prepared))
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
             results += self._fail_step(nxt, exc)
             return
         if self.early_fill:
             self._accept_early()
+
+    def _schedule_ahead(self, batch, forward, results: list[News]) -> None:
+        """`schedule_ahead`, inside a queued step's launch, after the previous step's resolve
+        (the fill of this step's masks running on the thread) and before this step's
+        sampling: the scheduler takes this step (on_launched: its sampling then runs with a
+        pending offset of -1), and, where `_after_launch` would queue the next step's
+        forward, that step is scheduled and its inputs prepared now; `_after_launch` queues
+        it right behind the sampling."""
+        samples = forward.plan.sample_seqs
+        if not samples:
+            return
+        self.scheduler.on_launched(batch, samples)
+        self._launched_early = True
+        if not self._needs_host_tokens(batch):
+            return
+        nxt = self.scheduler.schedule()
+        results += self._finished_by_scheduler(nxt)
+        if nxt.is_empty:
+            return
+        try:
+            self._fire_step_faults(nxt)
+            self._ahead = (nxt, self.runner.prepare_forward(nxt, after=forward))
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            results += self._fail_step(nxt, exc)
 
     def _accept_early(self) -> None:
         """`early_fill`: when the in-flight step's tokens are on the host already, its guided

@@ -318,6 +318,18 @@ class StepInputs:
 
 
 @dataclass
+class PreparedForward:
+    """A step whose inputs are in the host buffers, not yet copied or run
+    (`ModelRunner.prepare_forward`, then `enqueue_forward`)."""
+
+    batch: ScheduledBatch
+    plan: StepPlan
+    path: str
+    size: int
+    padding: int
+
+
+@dataclass
 class QueuedForward:
     """A step whose forward is queued on the device and whose sampling is not yet
     (`ModelRunner.launch_forward`, then `sample_queued`)."""
@@ -523,10 +535,33 @@ class ModelRunner:
     def launch_forward(self, batch: ScheduledBatch) -> QueuedForward:
         """`launch`'s first half: the inputs and the forward, queued on the device; the
         sampling waits for `sample_queued`. Nothing else may be launched in between."""
+        return self.enqueue_forward(self.prepare_forward(batch))
+
+    def prepare_forward(self, batch: ScheduledBatch,
+                        after: QueuedForward | None = None) -> PreparedForward:
+        """`launch_forward`'s host part: the step's inputs in the host buffers and its path.
+        `after`: the queued forward whose sampling comes first (not yet launched): this
+        step's placeholders take that one's tokens (else those of the last sampling). Until
+        `enqueue_forward` takes it, no other step may be prepared or launched, except the
+        sampling of `after`."""
+        t0 = time.perf_counter()
+        if after is None:
+            index = self._last_index
+        else:  # what _sample will set for `after`
+            index = dict(zip(after.plan.sampled(after.batch.seqs),
+                             range(len(after.plan.sample_seqs)), strict=True))
+        plan = self.inputs.fill(batch, index)
+        path, size, padding = self._choose_forward(plan)
+        self.step_timing["prepare_s"] += time.perf_counter() - t0
+        return PreparedForward(batch, plan, path, size, padding)
+
+    @torch.inference_mode()
+    def enqueue_forward(self, prepared: PreparedForward) -> QueuedForward:
+        """`launch_forward`'s device part: the prepared inputs copied and the forward queued."""
         t0 = time.perf_counter()
         inp = self.inputs
-        plan = inp.fill(batch, self._last_index)
-        path, size, padding = self._choose_forward(plan)
+        batch, plan, path = prepared.batch, prepared.plan, prepared.path
+        size, padding = prepared.size, prepared.padding
         if path == "mixed_graph":  # inputs straight into the graph's static buffers
             ids = self._load_mixed_graph(size, plan)
             pos = meta = None
@@ -555,14 +590,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_queued(self, queued: QueuedForward,
-                      before_sample: Callable[[], None] | None = None) -> RunnerStep:
+                      before_sample: Callable[[], None] | None = None,
+                      pending_offset: int = 0) -> RunnerStep:
         """`launch`'s second half: runs `before_sample` on the host, then queues the sampling
-        of the forward `launch_forward` queued."""
+        of the forward `launch_forward` queued (`pending_offset`: Sampler.sample's)."""
         if before_sample is not None:
             before_sample()
         t3 = time.perf_counter()
         step = self._sample(queued.batch, queued.plan, queued.hidden, queued.rows,
-                            queued.padding)
+                            queued.padding, pending_offset)
         self.step_timing["sample_s"] += time.perf_counter() - t3
         return step
 
@@ -639,7 +675,7 @@ class ModelRunner:
     # -- the sampling tail ------------------------------------------------------------------
 
     def _sample(self, batch: ScheduledBatch, plan: StepPlan, hidden: torch.Tensor,
-                rows: torch.Tensor | None, padding: int) -> RunnerStep:
+                rows: torch.Tensor | None, padding: int, pending_offset: int = 0) -> RunnerStep:
         k = len(plan.sample_seqs)
         if not k:
             self._last_tokens, self._last_index = None, {}
@@ -647,7 +683,7 @@ class ModelRunner:
         h = hidden[:k] if rows is None else hidden.index_select(0, rows)
         logits = self.model.compute_logits(h)
         sampled_seqs = plan.sampled(batch.seqs)
-        tokens, logprobs = self.sampler.sample(logits, sampled_seqs)
+        tokens, logprobs = self.sampler.sample(logits, sampled_seqs, pending_offset)
         host = ready = None
         if self._token_events:  # CUDA: start the copy to the host now, wait for it later
             p = self._parity

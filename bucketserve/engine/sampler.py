@@ -44,16 +44,18 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]  # per row; None where the request asked for none
 
 
-def _min_tokens_active(seq: Sequence) -> bool:
+def _min_tokens_active(seq: Sequence, pending_offset: int = 0) -> bool:
     # output + pending < min_tokens (tokens still on the device, overlapped scheduling, were
-    # generated too); min_tokens_end is prompt + min_tokens, 0 without min_tokens
-    return len(seq.token_ids) + seq.num_pending < seq.min_tokens_end
+    # generated too); min_tokens_end is prompt + min_tokens, 0 without min_tokens.
+    # pending_offset: -1 where the engine counted this step's own token as pending already
+    # (LLMEngine.schedule_ahead)
+    return len(seq.token_ids) + seq.num_pending + pending_offset < seq.min_tokens_end
 
 
-def _plain_row(s: Sequence) -> bool:
+def _plain_row(s: Sequence, pending_offset: int = 0) -> bool:
     """Greedy, and nothing but the argmax this step: no logprobs, grammar, bias, penalty or
     active min_tokens."""
-    return s.argmax_only and s.grammar is None and not _min_tokens_active(s)
+    return s.argmax_only and s.grammar is None and not _min_tokens_active(s, pending_offset)
 
 
 def _counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -129,11 +131,13 @@ class Sampler:
         tokens, logprobs = self.sample(logits, seqs)
         return SamplerOutput(tokens.tolist(), logprobs or [None] * len(seqs))
 
-    def sample(self, logits: torch.Tensor,
-               seqs: list[Sequence]) -> tuple[torch.Tensor, list[TokenLogprob | None] | None]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], pending_offset: int = 0
+               ) -> tuple[torch.Tensor, list[TokenLogprob | None] | None]:
         """-> (token ids [B] long on the logits' device, logprobs per row or None when no row
         asks for them). Plain greedy batches never wait for the device here (the caller
-        copies the ids to the host when it needs them); rows with top-p or logprobs do."""
+        copies the ids to the host when it needs them); rows with top-p or logprobs do.
+        `pending_offset`: added to every row's pending tokens (-1 where the scheduler counted
+        this step's token already)."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab], got {tuple(logits.shape)}")
         # Common case: plain greedy everywhere -> one argmax, nothing else. The argmax runs on
@@ -143,7 +147,7 @@ class Sampler:
         # rows, the whole test (_plain_row) for the others.
         plain = True
         for s in seqs:
-            if not (s.sample_plain and s.grammar is None) and not _plain_row(s):
+            if not (s.sample_plain and s.grammar is None) and not _plain_row(s, pending_offset):
                 plain = False
                 break
         if plain:
@@ -152,7 +156,7 @@ class Sampler:
             logits = logits.float()
 
         raw = logits
-        logits = self.process_logits(logits, seqs)
+        logits = self.process_logits(logits, seqs, pending_offset)
         tokens = torch.argmax(logits, dim=-1)  # [B]; right for greedy rows, others overwritten
         sampled_rows = [i for i, s in enumerate(seqs) if not s.sample_argmax]
         if sampled_rows:
@@ -174,7 +178,8 @@ class Sampler:
 
     # -- logit processing -------------------------------------------------------------------
 
-    def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def process_logits(self, logits: torch.Tensor, seqs: list[Sequence],
+                       pending_offset: int = 0) -> torch.Tensor:
         """Steps 0-3 above (logit bias and grammar masks, min_tokens masking, penalties) -> a
         new [B, V] tensor; input untouched."""
         logits = logits.clone()
@@ -210,7 +215,7 @@ class Sampler:
         ban_cols: list[int] = []
         for i in special:
             s = seqs[i]
-            if _min_tokens_active(s):
+            if _min_tokens_active(s, pending_offset):
                 banned = set(s.params.stop_token_ids)
                 if not s.params.ignore_eos:
                     banned.update(self.eos_token_ids)
