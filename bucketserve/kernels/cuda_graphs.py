@@ -56,6 +56,10 @@ def next_size(sizes: list[int], n: int) -> int | None:
     return None
 
 
+# the share by which an eager run must beat the padded replay to be chosen (PaddingCostModel)
+GRAPH_TIE_MARGIN = 0.10
+
+
 @dataclass
 class PaddingCostModel:
     """Per step, the cheaper of two ways to run n tokens, from times measured at start-up:
@@ -69,7 +73,14 @@ class PaddingCostModel:
     Small steps are launch-bound, so the graphs win whatever their padding; large steps are
     bound by arithmetic, so replaying 2,048 rows for 1,100 tokens costs nearly twice the eager
     run, which then wins (measured on an H200 at the 8B shape: see README). Attention runs
-    eagerly on the n real rows either way and is left out of both times."""
+    eagerly on the n real rows either way and is left out of both times.
+
+    The eager run must be cheaper by GRAPH_TIE_MARGIN: both times are wall times to
+    completion, but an eager forward also holds the engine's host thread for its launches
+    while a replay returns at once, and in a busy server that thread is the step's critical
+    path. Near a tie, measurement noise alone used to decide, so servers of the same code and
+    model split differently (1B shape on an H100: steps of 1,025-2,048 tokens ran eagerly in
+    some starts and as graphs in others, the eager ones about 6 ms of host launches each)."""
 
     sizes: tuple[int, ...]  # captured token counts, increasing
     graph_ms: tuple[float, ...]  # one forward's stages replayed as graphs, per size
@@ -95,7 +106,8 @@ class PaddingCostModel:
         i = bisect.bisect_left(self.sizes, n)
         if i == len(self.sizes):
             return None
-        return self.sizes[i] if self.graph_ms[i] <= self.eager_estimate(n) else None
+        eager = self.eager_estimate(n) * (1.0 + GRAPH_TIE_MARGIN)
+        return self.sizes[i] if self.graph_ms[i] <= eager else None
 
     def eager_from(self) -> int | None:
         """The smallest token count that runs eagerly (None: every captured count replays)."""
