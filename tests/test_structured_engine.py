@@ -207,14 +207,14 @@ def test_overlapped_guided_steps_resolve_after_the_forward_is_queued(loaded):
         events.append("Q")
         return launch_forward(batch)
 
-    def traced_sample_queued(queued, before_sample=None):
+    def traced_sample_queued(queued, before_sample=None, **kwargs):
         events.append("S")
 
         def resolve() -> None:
             events.append("R")
             before_sample()
 
-        return sample_queued(queued, resolve if before_sample is not None else None)
+        return sample_queued(queued, resolve if before_sample is not None else None, **kwargs)
 
     def traced_step_news():
         news = step_news()
@@ -566,3 +566,45 @@ def test_schedule_ahead_keeps_min_tokens_and_penalties(loaded):
         for (ids, _), m in zip(outs[mode], ms, strict=True):
             assert len(ids) >= m
     assert outs["ahead"] == outs["off"]
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["overlapped", "schedule_ahead"])
+def test_a_failed_queued_sampling_ends_its_requests_once(loaded, monkeypatch, ahead):
+    """A queued step's sampling fails after its held resolve gave its sequences a token: each
+    sequence gets one entry in that call's news (its error), never two (the caller builds one
+    output per entry and drops a finished sequence's state at the first). With
+    `schedule_ahead` the next step was scheduled and prepared too: its requests end with an
+    error as well (its placeholders wait for tokens never made). None is left hanging, the
+    blocks come back, and the engine serves the next request."""
+    from bucketserve.engine.runner import ModelRunner
+
+    buckets = load_buckets(None, max_model_len=loaded.max_model_len)
+    eng = LLMEngine(loaded, buckets, "cpu", async_scheduling=True)
+    eng.overlap_fill = eng.schedule_ahead = ahead
+    sample = ModelRunner._sample
+    calls = [0]
+
+    def failing(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 6:
+            raise RuntimeError("injected sampling failure")
+        return sample(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "_sample", failing)
+    p = prompt_for(loaded, "Count to twenty.")
+    params = SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.1)
+    seqs = [eng.add_request(p, params) for _ in range(3)]
+    ended: dict[str, str | None] = {}
+    for _ in range(200):
+        if not eng.has_unfinished():
+            break
+        for out in eng.step():
+            if out.finish_reason is not None:
+                ended[out.request_id] = out.finish_reason
+    assert calls[0] >= 6
+    assert set(ended) == {s.request_id for s in seqs}
+    assert set(ended.values()) == {"error"}
+    assert eng.block_manager.num_used_blocks == 0
+    monkeypatch.setattr(ModelRunner, "_sample", sample)
+    out = eng.generate([p], params)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 30

@@ -378,6 +378,9 @@ class LLMEngine:
             ahead, self._ahead = self._ahead, None
             if ahead is not None:  # its placeholders wait for tokens this step never made
                 results += self._fail_step(ahead[0], exc)
+            # a sequence whose token the held resolve gave before the sampling failed has
+            # its error too: one entry each (the caller takes one per sequence)
+            results[:] = _once_per_sequence(results)
             return None
         resolve_held()
         if not self._launched_early:

@@ -309,8 +309,10 @@ class StepInputs:
         return ids, pos, meta
 
     def index_rows(self, h: torch.Tensor, k: int) -> torch.Tensor:
-        """The first k entries of one of the [max_seqs] int64 row buffers, on the device."""
-        return h[:k].to(self.device, non_blocking=True) if self.device.type == "cuda" else h[:k]
+        """The first k entries of one of the [max_seqs] int64 row buffers, on the device (on the
+        CPU a copy: a step prepared ahead rewrites the buffer before this one samples)."""
+        return h[:k].to(self.device, non_blocking=True) if self.device.type == "cuda" \
+            else h[:k].clone()
 
     def mark_copied(self) -> None:
         if self.copied is not None:
