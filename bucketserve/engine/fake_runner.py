@@ -71,9 +71,16 @@ class FakeRunner:
     def launch_forward(self, batch: ScheduledBatch) -> ScheduledBatch:
         return batch  # (the ids are made up at the sampling: nothing to queue)
 
+    def prepare_forward(self, batch: ScheduledBatch, after=None) -> ScheduledBatch:
+        return batch  # (schedule_ahead's halves of launch_forward: nothing to prepare)
+
+    def enqueue_forward(self, batch: ScheduledBatch) -> ScheduledBatch:
+        return batch
+
     def sample_queued(self, batch: ScheduledBatch,
-                      before_sample: Callable[[], None] | None = None) -> RunnerStep:
-        return self.launch(batch, before_sample)
+                      before_sample: Callable[[], None] | None = None,
+                      pending_offset: int = 0) -> RunnerStep:
+        return self.launch(batch, before_sample)  # (made-up ids: no min_tokens to offset)
 
     def _made_up(self, batch: ScheduledBatch) -> RunnerStep:
         t0 = time.perf_counter()

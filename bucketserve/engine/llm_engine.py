@@ -61,6 +61,17 @@ def _once_per_sequence(news: list[News]) -> list[News]:
     return list(last.values()) if len(last) < len(news) else news
 
 
+def _accept_guided(seqs: list[Sequence], out) -> dict[int, bool]:
+    """The guided sequences' grammars accept a step's sampled tokens (`out`: the step's
+    RunnerOutput over `seqs`), ahead of the rest of its resolve: {index in out: accepted}."""
+    accepted: dict[int, bool] = {}
+    for j, (i, token) in enumerate(zip(out.seqs, out.ids, strict=True)):
+        seq = seqs[i]
+        if seq.grammar is not None and seq.status is not FINISHED:
+            accepted[j] = seq.grammar.accept(token)
+    return accepted
+
+
 class LLMEngine:
     def __init__(self, loaded, buckets: BucketsConfig, device: str | torch.device = "cpu",
                  num_blocks: int | None = None, cuda_graphs: bool = True,
@@ -301,16 +312,13 @@ class LLMEngine:
             # (its faults fired when its forward was queued)
             batch, forward = queued
             start = (lambda: self._start_masks(forward)) if self.overlap_fill else None
-            if self.schedule_ahead and hasattr(self.runner, "prepare_forward"):
-                # (on_launched counts the step's own token before it samples: offset -1)
-                step = self._launch(batch, results, lambda held: self.runner.sample_queued(
-                    forward, held, pending_offset=-1), needs_host_tokens=True,
-                    fire_faults=False, start_masks=start,
-                    then=lambda: self._schedule_ahead(batch, forward, results))
-            else:
-                step = self._launch(batch, results, lambda held: self.runner.sample_queued(
-                    forward, held), needs_host_tokens=True, fire_faults=False,
-                    start_masks=start)
+            ahead = self.schedule_ahead
+            # (with schedule_ahead on_launched counts the step's own token before it
+            # samples: a pending offset of -1)
+            step = self._launch(batch, results, lambda held: self.runner.sample_queued(
+                forward, held, pending_offset=-1 if ahead else 0), needs_host_tokens=True,
+                fire_faults=False, start_masks=start,
+                then=(lambda: self._schedule_ahead(batch, forward, results)) if ahead else None)
             if step is not None:
                 self._after_launch(batch, step, results, t0)
             return results
@@ -493,13 +501,7 @@ class LLMEngine:
             out = step.result()
         except Exception:  # noqa: BLE001 - raised again, and handled, in the resolve
             return
-        seqs = step.batch.seqs
-        accepted: dict[int, bool] = {}
-        for j, (i, token) in enumerate(zip(out.seqs, out.ids, strict=True)):
-            seq = seqs[i]
-            if seq.grammar is not None and seq.status is not FINISHED:
-                accepted[j] = seq.grammar.accept(token)
-        step.early_accepted = accepted
+        step.early_accepted = _accept_guided(step.batch.seqs, out)
         self.early_fills["taken"] += 1
         try:
             self._start_masks(queued[1])
@@ -540,11 +542,7 @@ class LLMEngine:
             # a token the next pass ends the sequence with (EOS, max_tokens, a stop) is
             # accepted too: harmless, the sequence ends; a rejection then counts only where
             # the sequence goes on, as when the accept comes after on_sampled
-            accepted = {}
-            for j, (i, token) in enumerate(zip(out.seqs, out.ids, strict=True)):
-                seq = seqs[i]
-                if seq.grammar is not None and seq.status is not FINISHED:
-                    accepted[j] = seq.grammar.accept(token)
+            accepted = _accept_guided(seqs, out)
             try:
                 start_masks()
             except Exception:  # noqa: BLE001 - the sampling then fills the masks itself

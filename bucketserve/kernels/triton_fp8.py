@@ -79,6 +79,17 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, sta
 
 
 @triton.jit
+def _silu_mul_row_chunk(x_ptr, row, cols, mask, stride_x, rs_ptr, cs_ptr, n_cols,
+                        SCALED: tl.constexpr):
+    # silu(gate) * up of one chunk of a row, rounded once per op as torch's bf16 MLP does
+    g = _load_scaled(x_ptr, row, cols, mask, stride_x, rs_ptr, cs_ptr, 0, SCALED)
+    u = _load_scaled(x_ptr + n_cols, row, cols, mask, stride_x, rs_ptr, cs_ptr, n_cols, SCALED)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+
+
+@triton.jit
 def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, rs_ptr, cs_ptr, stride_x,
                            stride_q, n_cols, STATIC: tl.constexpr, SCALED: tl.constexpr,
                            BLOCK: tl.constexpr):
@@ -86,23 +97,8 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, rs_ptr, cs_ptr, stri
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    g = _load_scaled(x_ptr, row, cols, mask, stride_x, rs_ptr, cs_ptr, 0, SCALED)
-    u = _load_scaled(x_ptr + n_cols, row, cols, mask, stride_x, rs_ptr, cs_ptr, n_cols, SCALED)
-    gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    v = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+    v = _silu_mul_row_chunk(x_ptr, row, cols, mask, stride_x, rs_ptr, cs_ptr, n_cols, SCALED)
     _store_quantized(v, row, cols, mask, q_ptr, s_ptr, static_ptr, stride_q, STATIC)
-
-
-@triton.jit
-def _silu_mul_row_chunk(x_ptr, row, cols, mask, stride_x, rs_ptr, cs_ptr, n_cols,
-                        SCALED: tl.constexpr):
-    # silu(gate) * up of one chunk of a row, rounded as _silu_mul_quant_kernel rounds it
-    g = _load_scaled(x_ptr, row, cols, mask, stride_x, rs_ptr, cs_ptr, 0, SCALED)
-    u = _load_scaled(x_ptr + n_cols, row, cols, mask, stride_x, rs_ptr, cs_ptr, n_cols, SCALED)
-    gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
 
 
 @triton.jit

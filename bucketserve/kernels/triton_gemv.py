@@ -201,8 +201,8 @@ def choose(weights: list[torch.Tensor], candidates: list[tuple[int, int, int, in
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     ref = F.linear(x, ws[0]).float()
     return fastest(lambda i: torch.mm(x, ws[i].t(), out=out),
-                    lambda i, cfg: gemv(x, ws[i], out, cfg), out, ref, len(ws),
-                    candidates, min_gain)
+                   lambda i, cfg: gemv(x, ws[i], out, cfg), out, ref, len(ws),
+                   candidates, min_gain)
 
 
 def choose_fp8(weights: list[torch.Tensor], scales: list[torch.Tensor],
@@ -219,8 +219,8 @@ def choose_fp8(weights: list[torch.Tensor], scales: list[torch.Tensor],
     out = torch.empty(1, n, device=q.device, dtype=torch.bfloat16)
     ref = fp8_linear((q, s), ws[0], ss[0], None, torch.bfloat16).float()
     return fastest(lambda i: fp8_linear((q, s), ws[i], ss[i], None, torch.bfloat16),
-                    lambda i, cfg: gemv_fp8(q, s, ws[i], ss[i], out=out, config=cfg), out, ref,
-                    len(ws), candidates, min_gain)
+                   lambda i, cfg: gemv_fp8(q, s, ws[i], ss[i], out=out, config=cfg), out, ref,
+                   len(ws), candidates, min_gain)
 
 
 def choose_fp8_rows(weights: list[torch.Tensor], scales: list[torch.Tensor],
@@ -243,8 +243,8 @@ def choose_fp8_rows(weights: list[torch.Tensor], scales: list[torch.Tensor],
             rows_fp8(q, s, ws[i], ss[i], config=cfg, out=out)
 
         cfg, info = fastest(lambda i, q=q, s=s: fp8_linear((q, s), ws[i], ss[i], None,
-                                                            torch.bfloat16),
-                             kernel, out, ref, len(ws), candidates or ROW_CANDIDATES, min_gain)
+                                                           torch.bfloat16),
+                            kernel, out, ref, len(ws), candidates or ROW_CANDIDATES, min_gain)
         result[band] = (info, cfg)
     return result
 
