@@ -65,14 +65,19 @@ structured)
   # the host around each run: load, CPU steal (jiffies, cumulative) and bucketserve
   # processes left from an earlier run (schema runs varied 31-40k tok/s between servers)
   host() { echo "host $1: load $(cut -d' ' -f1-3 /proc/loadavg) steal $(awk '/^cpu /{print $9}' /proc/stat) left $(pgrep -fc 'bucketserve.server|bucketserve-' || true)"; }
-  one() {  # tag code [BUCKETSERVE_OVERLAP_FILL [BUCKETSERVE_FILL_THREADS [BUCKETSERVE_CPU_AFFINITY]]]
-    echo "== $1 $(date +%T) $(which_package "$2") overlap_fill=${3:-0} fill_threads=${4:-default} affinity=${5:-off}"
+  one() {  # tag code [BUCKETSERVE_OVERLAP_FILL [BUCKETSERVE_FILL_THREADS [BUCKETSERVE_CPU_AFFINITY [trace]]]]
+    echo "== $1 $(date +%T) $(which_package "$2") overlap_fill=${3:-0} fill_threads=${4:-default} affinity=${5:-off} trace=${6:-off}"
     host before
+    # trace: one run (not timed: the profiler slows it) whose core records 30 steps under
+    # torch.profiler from the first with 96 guided sequences (bucketserve/bench/hooks.py)
+    local mod=bucketserve.server.cli trace="" reps=$REPEATS
+    [ -n "${6:-}" ] && { mod=bucketserve.bench.hooks; trace=$O/trace_$1.json.gz:96:30; reps=1; }
     (cd /tmp && BUCKETSERVE_OVERLAP_FILL=${3:-0} BUCKETSERVE_FILL_THREADS=${4:-} BUCKETSERVE_CPU_AFFINITY=${5:-off} \
-      PYTHONPATH=$2:/tmp/site timeout "${T_RUN:-150}" python3 "$R/bench/structured_gpu.py" \
-      --repeats "$REPEATS" --out "$O/structured_$1.json" --base-url http://127.0.0.1:8200 \
-      --server-cmd "python3 -m bucketserve.server.cli serve --model $M --embedding-model none \
+      BUCKETSERVE_CORE_TRACE=$trace PYTHONPATH=$2:/tmp/site timeout "${T_RUN:-150}" python3 "$R/bench/structured_gpu.py" \
+      --repeats "$reps" --out "$O/structured_$1.json" --base-url http://127.0.0.1:8200 \
+      --server-cmd "python3 -m $mod serve --model $M --embedding-model none \
       --device cuda --port 8200 --buckets /tmp/ours.toml" > "$O/server_$1.log" 2>&1)
+    [ -z "$trace" ] || head -45 "$O/trace_$1.json.gz.txt" 2>/dev/null | cut -c1-200
     host after
     grep -h "tok_s_ratio\|^plain:\|core loop" "$O/server_$1.log" | cut -c1-300
     save
@@ -81,13 +86,16 @@ structured)
   # started at the end of the previous call (BUCKETSERVE_OVERLAP_FILL=2); S: the tree, the next
   # step scheduled and prepared while the fill runs (=3); T: the tree, the mask fill on
   # FILL_THREADS xgrammar threads (default 2); P: the tree, the engine core and the API workers
-  # on the cores AFFINITY names (default 0-5/6-15); X: E, T (default 4) and P at once
+  # on the cores AFFINITY names (default 0-5/6-15); X: E, T (default 4) and P at once; R, Q: B
+  # and S, traced (one untimed run each)
   for run in ${ORDER:-A1 B1 B2 A2}; do
     case $run in
       A*) one "$run" "$OLD" ;;
       F*) one "$run" "$R" 1 ;;
       E*) one "$run" "$R" 2 ;;
       S*) one "$run" "$R" 3 ;;
+      R*) one "$run" "$R" 0 "" off 1 ;;
+      Q*) one "$run" "$R" 3 "" off 1 ;;
       X*) one "$run" "$R" 2 "${FILL_THREADS:-4}" "${AFFINITY:-0-5/6-15}" ;;
       T*) one "$run" "$R" 0 "${FILL_THREADS:-2}" ;;
       P*) one "$run" "$R" 0 "" "${AFFINITY:-0-5/6-15}" ;;

@@ -65,3 +65,28 @@ def test_fake_runner_is_off_unless_asked() -> None:
     assert seams_from({}) == Seams()
     asked = seams_from({"BUCKETSERVE_FAKE_RUNNER": "0.004"}).prepare_engine
     assert asked.func is install and asked.keywords == {"step_s": 0.004}
+
+
+def test_core_trace_records_the_asked_steps_then_unwraps(engine, tmp_path) -> None:
+    from bucketserve.bench.hooks import _trace_spec, trace_steps
+
+    path = tmp_path / "trace.json"
+    seams = seams_from({"BUCKETSERVE_FAKE_RUNNER": "0", "BUCKETSERVE_CORE_TRACE": f"{path}:0:3"})
+    calls = seams.prepare_engine.args[0]  # the fake runner, then the trace: in turn
+    assert [c.func for c in calls] == [install, trace_steps]
+    assert calls[1].keywords == {"path": str(path), "guided": 0, "steps": 3}
+    inner = engine.step_news
+    trace_steps(engine, str(path), steps=3)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.0, detokenize=False))
+    assert engine.step_news == inner  # three steps traced, then the engine's own method again
+    assert path.stat().st_size > 0
+    assert (tmp_path / "trace.json.txt").read_text().startswith("3 steps")
+    # a grammar count no running sequence reaches: nothing is traced
+    other = tmp_path / "none.json"
+    trace_steps(engine, str(other), guided=1, steps=2)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, detokenize=False))
+    assert not other.exists()
+    engine.step_news = inner
+    for bad in (":1", "f:-1", "f:0:0", "f:x"):
+        with pytest.raises(ValueError):
+            _trace_spec(bad)

@@ -11,7 +11,11 @@ engine core process and the front ends. The variables:
   token per running sequence every STEP_S seconds): the front end measured alone;
 - BUCKETSERVE_FAKE_RUNNER=STEP_S: the real core with engine/fake_runner's runner (no model
   forward; a step's ids are ready STEP_S after its launch): the engine's host cost alone;
-- BUCKETSERVE_CORE_PROFILE=FILE: cProfile of the engine core loop, written to FILE.
+- BUCKETSERVE_CORE_PROFILE=FILE: cProfile of the engine core loop, written to FILE;
+- BUCKETSERVE_CORE_TRACE=FILE[:GUIDED[:STEPS]]: a torch.profiler trace (host and CUDA) of
+  STEPS engine steps (default 30), from the first step that finds at least GUIDED running
+  sequences under a grammar (default 0: the first step), written to FILE (a Chrome trace,
+  gzipped where FILE ends in .gz) and FILE.txt (the ops' host and device times per step).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from functools import partial
 from bucketserve.engine.faults import FaultPlan, Seams
 
 SWITCHES = ("BUCKETSERVE_FAULTS", "BUCKETSERVE_FAKE_CORE", "BUCKETSERVE_FAKE_RUNNER",
-            "BUCKETSERVE_CORE_PROFILE")
+            "BUCKETSERVE_CORE_PROFILE", "BUCKETSERVE_CORE_TRACE")
 
 
 def seams_from(env: dict[str, str]) -> Seams:
@@ -34,10 +38,64 @@ def seams_from(env: dict[str, str]) -> Seams:
     faults = env.get("BUCKETSERVE_FAULTS", "").strip()
     core_s = env.get("BUCKETSERVE_FAKE_CORE")
     runner_s = env.get("BUCKETSERVE_FAKE_RUNNER")
+    trace = env.get("BUCKETSERVE_CORE_TRACE", "").strip()
+    prepare = [partial(install, step_s=float(runner_s))] if runner_s else []
+    if trace:
+        prepare.append(partial(trace_steps, **_trace_spec(trace)))
     return Seams(faults=FaultPlan.parse(faults) if faults else None,
-                 prepare_engine=partial(install, step_s=float(runner_s)) if runner_s else None,
+                 prepare_engine=(prepare[0] if len(prepare) == 1
+                                 else partial(_in_turn, prepare) if prepare else None),
                  make_core=partial(FakeCore, step_s=float(core_s)) if core_s else None,
                  profile_path=env.get("BUCKETSERVE_CORE_PROFILE") or None)
+
+
+def _in_turn(calls: list, engine) -> None:
+    for call in calls:
+        call(engine)
+
+
+def _trace_spec(spec: str) -> dict:
+    """FILE[:GUIDED[:STEPS]] -> trace_steps' keywords (ValueError on a malformed one)."""
+    path, _, rest = spec.partition(":")
+    guided, _, steps = rest.partition(":")
+    out = {"path": path, "guided": int(guided or 0), "steps": int(steps or 30)}
+    if not path or out["guided"] < 0 or out["steps"] < 1:
+        raise ValueError(f"BUCKETSERVE_CORE_TRACE={spec!r}: expected FILE[:GUIDED>=0[:STEPS>=1]]")
+    return out
+
+
+def trace_steps(engine, path: str, guided: int = 0, steps: int = 30) -> None:
+    """Wraps `engine.step_news` so that `steps` steps run under torch.profiler, from the first
+    one that finds `guided` or more running sequences under a grammar; then writes the trace
+    and its table (see the module's docstring). Once per server."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    inner = engine.step_news
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    state: dict = {"left": steps, "prof": None}
+
+    def step_news():
+        prof = state["prof"]
+        if prof is None and state["left"] and sum(
+                s.grammar is not None for s in engine.scheduler.running) >= guided:
+            prof = state["prof"] = profile(activities=acts)
+            prof.__enter__()
+        try:
+            return inner()
+        finally:
+            if prof is not None:
+                state["left"] -= 1
+                if not state["left"]:
+                    state["prof"] = None
+                    engine.step_news = inner
+                    prof.__exit__(None, None, None)
+                    prof.export_chrome_trace(path)
+                    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+                    with open(path + ".txt", "w") as f:
+                        f.write(f"{steps} steps (divide the totals by it)\n{table}\n")
+
+    engine.step_news = step_news
 
 
 def main(argv: list[str] | None = None) -> int:
