@@ -27,9 +27,8 @@
 # /tmp/pending/<part>/ and keeps $OUT/<part>.tgz up to date after each of its runs (the device
 # tool returns at most 8 files, and what is under $OUT when a call runs out of time).
 # REPEATS (3), ORDER (structured: "A1 B1 B2 A2"; a run named F* is the tree with
-# BUCKETSERVE_OVERLAP_FILL=1, e.g. ORDER="B1 F1 F2 B2"; T* and P*: the fill threads and the CPU
-# layout, FILL_THREADS and AFFINITY, see the part) and the timeouts (T_TESTS, T_RUN) can be
-# set in the environment.
+# BUCKETSERVE_OVERLAP_FILL=1, e.g. ORDER="B1 F1 F2 B2"; the other letters: see the part) and
+# the timeouts (T_TESTS, T_RUN) can be set in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh || exit 1
@@ -65,21 +64,22 @@ structured)
   # the host around each run: load, CPU steal (jiffies, cumulative) and bucketserve
   # processes left from an earlier run (schema runs varied 31-40k tok/s between servers)
   host() { echo "host $1: load $(cut -d' ' -f1-3 /proc/loadavg) steal $(awk '/^cpu /{print $9}' /proc/stat) left $(pgrep -fc 'bucketserve.server|bucketserve-' || true)"; }
-  one() {  # tag code [BUCKETSERVE_OVERLAP_FILL [BUCKETSERVE_FILL_THREADS [BUCKETSERVE_CPU_AFFINITY [trace]]]]
-    echo "== $1 $(date +%T) $(which_package "$2") overlap_fill=${3:-0} fill_threads=${4:-default} affinity=${5:-off} trace=${6:-off}"
+  one() {  # tag code [VAR=VALUE ...]: the server's experiment switches (TRACE=1: see below)
+    local tag=$1 code=$2; shift 2
+    echo "== $tag $(date +%T) $(which_package "$code") ${*:-as shipped}"
     host before
-    # trace: one run (not timed: the profiler slows it) whose core records 30 steps under
+    # TRACE=1: one run (not timed: the profiler slows it) whose core records 30 steps under
     # torch.profiler from the first with 96 guided sequences (bucketserve/bench/hooks.py)
     local mod=bucketserve.server.cli trace="" reps=$REPEATS
-    [ -n "${6:-}" ] && { mod=bucketserve.bench.hooks; trace=$O/trace_$1.json.gz:96:30; reps=1; }
-    (cd /tmp && BUCKETSERVE_OVERLAP_FILL=${3:-0} BUCKETSERVE_FILL_THREADS=${4:-} BUCKETSERVE_CPU_AFFINITY=${5:-off} \
-      BUCKETSERVE_CORE_TRACE=$trace PYTHONPATH=$2:/tmp/site timeout "${T_RUN:-150}" python3 "$R/bench/structured_gpu.py" \
-      --repeats "$reps" --out "$O/structured_$1.json" --base-url http://127.0.0.1:8200 \
+    [[ " $* " == *" TRACE=1 "* ]] && { mod=bucketserve.bench.hooks; trace=$O/trace_$tag.json.gz:96:30; reps=1; }
+    (cd /tmp && env "$@" BUCKETSERVE_CORE_TRACE="$trace" PYTHONPATH="$code:/tmp/site" \
+      timeout "${T_RUN:-150}" python3 "$R/bench/structured_gpu.py" \
+      --repeats "$reps" --out "$O/structured_$tag.json" --base-url http://127.0.0.1:8200 \
       --server-cmd "python3 -m $mod serve --model $M --embedding-model none \
-      --device cuda --port 8200 --buckets /tmp/ours.toml" > "$O/server_$1.log" 2>&1)
-    [ -z "$trace" ] || head -45 "$O/trace_$1.json.gz.txt" 2>/dev/null | cut -c1-200
+      --device cuda --port 8200 --buckets /tmp/ours.toml" > "$O/server_$tag.log" 2>&1)
+    [ -z "$trace" ] || head -45 "$O/trace_$tag.json.gz.txt" 2>/dev/null | cut -c1-200
     host after
-    grep -h "tok_s_ratio\|^plain:\|core loop" "$O/server_$1.log" | cut -c1-300
+    grep -h "tok_s_ratio\|^plain:\|core loop" "$O/server_$tag.log" | cut -c1-300
     save
   }
   # A: .gpuassets/old; B: the tree; F: the tree, overlap_fill; E: the tree, overlap_fill
@@ -87,18 +87,23 @@ structured)
   # step scheduled and prepared while the fill runs (=3); T: the tree, the mask fill on
   # FILL_THREADS xgrammar threads (default 2); P: the tree, the engine core and the API workers
   # on the cores AFFINITY names (default 0-5/6-15); X: E, T (default 4) and P at once; R, Q: B
-  # and S, traced (one untimed run each)
+  # and S, traced (one untimed run each); J, I: B and S with the core's GIL switch interval at
+  # SWITCH_US microseconds (default 200; Python's is 5,000)
+  fill=BUCKETSERVE_OVERLAP_FILL sw=BUCKETSERVE_SWITCH_INTERVAL_US
   for run in ${ORDER:-A1 B1 B2 A2}; do
     case $run in
       A*) one "$run" "$OLD" ;;
-      F*) one "$run" "$R" 1 ;;
-      E*) one "$run" "$R" 2 ;;
-      S*) one "$run" "$R" 3 ;;
-      R*) one "$run" "$R" 0 "" off 1 ;;
-      Q*) one "$run" "$R" 3 "" off 1 ;;
-      X*) one "$run" "$R" 2 "${FILL_THREADS:-4}" "${AFFINITY:-0-5/6-15}" ;;
-      T*) one "$run" "$R" 0 "${FILL_THREADS:-2}" ;;
-      P*) one "$run" "$R" 0 "" "${AFFINITY:-0-5/6-15}" ;;
+      F*) one "$run" "$R" $fill=1 ;;
+      E*) one "$run" "$R" $fill=2 ;;
+      S*) one "$run" "$R" $fill=3 ;;
+      T*) one "$run" "$R" BUCKETSERVE_FILL_THREADS="${FILL_THREADS:-2}" ;;
+      P*) one "$run" "$R" BUCKETSERVE_CPU_AFFINITY="${AFFINITY:-0-5/6-15}" ;;
+      X*) one "$run" "$R" $fill=2 BUCKETSERVE_FILL_THREADS="${FILL_THREADS:-4}" \
+            BUCKETSERVE_CPU_AFFINITY="${AFFINITY:-0-5/6-15}" ;;
+      R*) one "$run" "$R" TRACE=1 ;;
+      Q*) one "$run" "$R" $fill=3 TRACE=1 ;;
+      J*) one "$run" "$R" $sw="${SWITCH_US:-200}" ;;
+      I*) one "$run" "$R" $fill=3 $sw="${SWITCH_US:-200}" ;;
       *) one "$run" "$R" ;;
     esac
   done

@@ -358,3 +358,23 @@ def test_engine_options_from_the_serve_command_line():
     # the dataclass's defaults are the command line's
     assert EngineOptions.from_args(build_parser().parse_args(["serve"])) == EngineOptions(
         "smollm2-135m-instruct")
+
+
+def test_switch_interval_experiment_sets_the_core_interval_or_refuses(monkeypatch) -> None:
+    import sys
+
+    from bucketserve.engine.core import SWITCH_INTERVAL_ENV, apply_switch_interval
+
+    default = sys.getswitchinterval()
+    try:
+        monkeypatch.delenv(SWITCH_INTERVAL_ENV, raising=False)
+        assert apply_switch_interval() is None and sys.getswitchinterval() == default
+        monkeypatch.setenv(SWITCH_INTERVAL_ENV, "250")
+        assert apply_switch_interval() == pytest.approx(250e-6)
+        assert sys.getswitchinterval() == pytest.approx(250e-6)
+        for bad in ("0", "-5", "fast", "2e6"):
+            with pytest.raises(ValueError, match=SWITCH_INTERVAL_ENV):
+                apply_switch_interval(bad)
+        assert sys.getswitchinterval() == pytest.approx(250e-6)  # a refused value changes nothing
+    finally:
+        sys.setswitchinterval(default)

@@ -325,6 +325,29 @@ def build_engine(options: EngineOptions, faults: FaultPlan | None = None,
     return engine
 
 
+SWITCH_INTERVAL_ENV = "BUCKETSERVE_SWITCH_INTERVAL_US"
+
+
+def apply_switch_interval(value: str | None = None) -> float | None:
+    """Experiment (off: Python's 5 ms): `$BUCKETSERVE_SWITCH_INTERVAL_US` sets the core
+    process's GIL switch interval, in microseconds. A thread that wants the GIL back (the
+    engine loop after a call that released it, a fill thread before and after its xgrammar
+    call) waits up to that long for a thread running Python to hand it over. Returns the
+    interval set, in seconds (None: unset). Raises ValueError on a malformed value."""
+    value = os.environ.get(SWITCH_INTERVAL_ENV, "") if value is None else value
+    if not value.strip():
+        return None
+    try:
+        us = float(value)
+    except ValueError:
+        us = 0.0
+    if not 1.0 <= us <= 1e6:
+        raise ValueError(f"{SWITCH_INTERVAL_ENV}={value!r}: expected microseconds, 1 to 1e6")
+    sys.setswitchinterval(us / 1e6)
+    log.info("experiment: the core's GIL switch interval is %g us (%s)", us, SWITCH_INTERVAL_ENV)
+    return us / 1e6
+
+
 def run_core_process(cfg: CoreConfig) -> None:
     """Entry point of the core process: build the engine, say READY, loop until told to stop
     or until the front end is gone (no orphan core). Exits 1 if the engine fails."""
@@ -366,6 +389,7 @@ def run_core_process(cfg: CoreConfig) -> None:
             from bucketserve.kernels.cpu_threads import apply_engine_layout
 
             cores = apply_engine_layout(cfg.options.device)
+            apply_switch_interval()
             if cfg.options.device != "cpu":
                 cores = None  # (the CPU plan's threads only)
             seams = cfg.seams or Seams()
