@@ -82,9 +82,10 @@ structured)
     grep -h "tok_s_ratio\|^plain:\|core loop" "$O/server_$tag.log" | cut -c1-300
     save
   }
-  # A: .gpuassets/old; B: the tree; F: the tree, overlap_fill; E: the tree, overlap_fill
-  # started at the end of the previous call (BUCKETSERVE_OVERLAP_FILL=2); S: the tree, the next
-  # step scheduled and prepared while the fill runs (=3); T: the tree, the mask fill on
+  # A: .gpuassets/old; B: the tree; O: the tree, guided steps as before 2026-12-07
+  # (BUCKETSERVE_OVERLAP_FILL=0); F: the tree, overlap_fill (=1); E: the tree, overlap_fill
+  # started at the end of the previous call (=2); S: the tree, the next step scheduled and
+  # prepared while the fill runs (=3, the default since 2026-12-07); T: the tree, the mask fill on
   # FILL_THREADS xgrammar threads (default 2); P: the tree, the engine core and the API workers
   # on the cores AFFINITY names (default 0-5/6-15); X: E, T (default 4) and P at once; R, Q: B
   # and S, traced (one untimed run each); J, I: B and S with the core's GIL switch interval at
@@ -93,6 +94,7 @@ structured)
   for run in ${ORDER:-A1 B1 B2 A2}; do
     case $run in
       A*) one "$run" "$OLD" ;;
+      O*) one "$run" "$R" $fill=0 ;;
       F*) one "$run" "$R" $fill=1 ;;
       E*) one "$run" "$R" $fill=2 ;;
       S*) one "$run" "$R" $fill=3 ;;

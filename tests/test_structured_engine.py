@@ -179,15 +179,19 @@ def test_preemption_keeps_the_matcher(loaded, overlapped):
         jsonschema.validate(json.loads(o.text), PERSON)
 
 
-def test_overlapped_guided_steps_resolve_after_the_forward_is_queued(loaded):
+@pytest.mark.parametrize("ahead", [False, True], ids=["overlap_fill_0", "schedule_ahead"])
+def test_overlapped_guided_steps_resolve_after_the_forward_is_queued(loaded, ahead):
     """Overlapped scheduling with a grammar: the previous step is resolved once the next
     forward is queued and before its sampling reads the newest tokens (the mask), so the host
     work hides behind the forward; and each call queues the following step's forward behind
     its sampling before it returns, so the device computes it while the caller sends the
-    outputs. The tokens are those of synchronous scheduling. Fresh engines: a prefix cached
-    by another test would change the numerics."""
+    outputs. With `schedule_ahead` (the default) that following step is scheduled and
+    prepared inside the resolve, before the sampling, and queued right after it. The tokens
+    are those of synchronous scheduling. Fresh engines: a prefix cached by another test would
+    change the numerics."""
     sync, overlapped = (LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len),
                                   "cpu", async_scheduling=a) for a in (False, True))
+    overlapped.overlap_fill = overlapped.schedule_ahead = ahead
     p = prompt(overlapped, "Describe a person as JSON.")
     params = [SamplingParams(max_tokens=60, temperature=0,
                              guided=GuidedDecoding("json", json.dumps(PERSON))),
@@ -207,6 +211,16 @@ def test_overlapped_guided_steps_resolve_after_the_forward_is_queued(loaded):
         events.append("Q")
         return launch_forward(batch)
 
+    prepare_forward, enqueue_forward = runner.prepare_forward, runner.enqueue_forward
+
+    def traced_prepare_forward(batch, after=None):
+        events.append("P")
+        return prepare_forward(batch, after)
+
+    def traced_enqueue_forward(prepared):
+        events.append("E")
+        return enqueue_forward(prepared)
+
     def traced_sample_queued(queued, before_sample=None, **kwargs):
         events.append("S")
 
@@ -222,6 +236,7 @@ def test_overlapped_guided_steps_resolve_after_the_forward_is_queued(loaded):
         return news
 
     runner.launch_forward, runner.sample_queued = traced_launch_forward, traced_sample_queued
+    runner.prepare_forward, runner.enqueue_forward = traced_prepare_forward, traced_enqueue_forward
     runner.model.forward, overlapped.step_news = forward, traced_step_news
     got = [o.token_ids for o in overlapped.generate([p, p], params)]
     assert got == want
@@ -229,10 +244,11 @@ def test_overlapped_guided_steps_resolve_after_the_forward_is_queued(loaded):
     steps = "".join(events)
     # every guided step after the first two: sampled at the start of a call, its predecessor
     # resolved inside (after its forward, queued by the call before), then the next forward
-    # queued before the call returns
-    assert steps.count("SRQF|") >= len(want[0]) - 3, steps
-    # a resolve always follows its step's queued forward (never a sampling's before its forward)
-    assert "QS" not in steps and "QR" not in steps, steps
+    # queued before the call returns (launch_forward: Q, its halves P and E; schedule_ahead:
+    # prepared after the resolve, before the sampling, and queued after it)
+    assert steps.count("SRPEF|" if ahead else "SRQPEF|") >= len(want[0]) - 3, steps
+    # a queued forward's model run comes with it (never a sampling or a resolve before it)
+    assert steps.count("EF") == steps.count("E") > 0, steps
     assert "f" not in steps, steps  # every forward, queued or not, runs in inference mode
 
 
@@ -316,6 +332,36 @@ def test_grammar_masks_equal_one_row_at_a_time(small_compiler, fill_threads, mon
             states[r].matcher.fill_next_token_bitmask(bitmask, 0)
             xgr.apply_token_bitmask_inplace(want[r:r + 1], bitmask)
         assert torch.equal(got, want), step
+
+
+def test_grammar_masks_on_a_growing_batch_double_their_buffers(small_compiler):
+    """A batch that grows step by step (a server ramping up) gets correct masks, and the host
+    buffers are reallocated only when outgrown, at least doubling (each growth is a page-locked
+    allocation on CUDA): 2, 3, 4, 5, 9 rows take buffers of 2, 4, 4, 8, 16 rows."""
+    import torch
+    import xgrammar as xgr
+
+    from bucketserve.engine.structured import GrammarMasks
+
+    vocab, _ = small_compiler
+    masks = GrammarMasks()
+    caps = []
+    for step, b in enumerate((2, 3, 4, 5, 9)):
+        states = [small_state(small_compiler) for _ in range(b)]
+        for i, st in enumerate(states):
+            for tok in vocab.ids(["", "y", "ma", "n"][i % 4]):
+                assert st.accept(tok)
+        logits = torch.randn(b, 128, generator=torch.Generator().manual_seed(step))
+        got = logits.clone()
+        masks.apply(got, list(range(b)), states)
+        want = logits.clone()
+        for r, st in enumerate(states):
+            bitmask = xgr.allocate_token_bitmask(1, 128)
+            st.matcher.fill_next_token_bitmask(bitmask, 0)
+            xgr.apply_token_bitmask_inplace(want[r:r + 1], bitmask)
+        assert torch.equal(got, want), b
+        caps.append(masks._host[0][0].shape[0])
+    assert caps == [2, 4, 4, 8, 16]
 
 
 def test_fill_threads_setting():
@@ -608,3 +654,24 @@ def test_a_failed_queued_sampling_ends_its_requests_once(loaded, monkeypatch, ah
     monkeypatch.setattr(ModelRunner, "_sample", sample)
     out = eng.generate([p], params)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 30
+
+
+def test_overlap_fill_defaults_to_schedule_ahead_and_refuses_a_bad_value(loaded, monkeypatch):
+    from bucketserve.engine.llm_engine import OVERLAP_FILL_ENV
+
+    buckets = load_buckets(None, max_model_len=loaded.max_model_len)
+
+    def modes() -> tuple[bool, bool, bool]:
+        e = LLMEngine(loaded, buckets, "cpu", async_scheduling=True)
+        return e.overlap_fill, e.early_fill, e.schedule_ahead
+
+    monkeypatch.delenv(OVERLAP_FILL_ENV, raising=False)
+    assert modes() == (True, False, True)  # measured ahead of 0 (docs/structured-output.md)
+    for value, want in (("0", (False, False, False)), ("1", (True, False, False)),
+                        ("2", (True, True, False)), (" 3 ", (True, False, True))):
+        monkeypatch.setenv(OVERLAP_FILL_ENV, value)
+        assert modes() == want, value
+    for bad in ("4", "on", "-1"):
+        monkeypatch.setenv(OVERLAP_FILL_ENV, bad)
+        with pytest.raises(ValueError, match=OVERLAP_FILL_ENV):
+            modes()

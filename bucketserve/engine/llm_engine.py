@@ -52,6 +52,9 @@ News = tuple[Sequence, str | None]
 MAX_FAILED_STEPS = 3
 
 
+OVERLAP_FILL_ENV = "BUCKETSERVE_OVERLAP_FILL"
+
+
 def _once_per_sequence(news: list[News]) -> list[News]:
     """News with one entry per sequence, the last of each (an error, if any, is kept)."""
     last: dict[int, News] = {}
@@ -162,18 +165,20 @@ class LLMEngine:
         # a step whose forward is queued and whose sampling waits for the next call (async
         # only: its sampling reads _inflight's tokens on the host; _after_launch)
         self._queued: tuple[ScheduledBatch, QueuedForward] | None = None
-        # Experiment (off: unchanged): a queued guided step's mask fill starts on a thread
-        # once the previous step's tokens are accepted, and the rest of that resolve runs
-        # while xgrammar fills (it releases the GIL). BUCKETSERVE_OVERLAP_FILL=1 turns it on
-        # (bench/h200_pending.sh measures it); docs/structured-output.md says why.
-        # BUCKETSERVE_OVERLAP_FILL=2 (`early_fill`) starts it sooner: at the end of the call
-        # that queues the next guided forward, when the in-flight step's tokens are already
-        # on the host; the fill then runs while the caller sends the step's outputs
-        # BUCKETSERVE_OVERLAP_FILL=3 (`schedule_ahead`, with overlap_fill): while the fill
-        # runs, the step after is scheduled and its inputs prepared (ahead of this step's
-        # sampling), so that its forward is queued right behind that sampling
-        overlap = os.environ.get("BUCKETSERVE_OVERLAP_FILL", "").strip()
-        self.overlap_fill = overlap in ("1", "2", "3")
+        # A queued guided (or penalised) step's host work, BUCKETSERVE_OVERLAP_FILL (read here;
+        # docs/structured-output.md has the measurements):
+        #   3 (the default; `schedule_ahead`): the step's mask fill starts on a thread once the
+        #     previous step's tokens are accepted, and while xgrammar fills (it releases the
+        #     GIL) the rest of that resolve runs, the step after is scheduled and its inputs
+        #     prepared, so that its forward is queued right behind this step's sampling;
+        #   0: none of that: the fill runs inside the sampling, the next step is scheduled
+        #     after it (as before 2026-12-07);
+        #   1 (`overlap_fill` alone) and 2 (`early_fill`: the fill starts at the end of the
+        #     call that queued the step, when the tokens are on the host by then): experiments
+        overlap = os.environ.get(OVERLAP_FILL_ENV, "").strip() or "3"
+        if overlap not in ("0", "1", "2", "3"):
+            raise ValueError(f"{OVERLAP_FILL_ENV}={overlap!r}: expected 0, 1, 2 or 3")
+        self.overlap_fill = overlap != "0"
         self.early_fill = overlap == "2"
         self.schedule_ahead = overlap == "3"
         # schedule_ahead's state: (the next batch, its PreparedForward), and whether this
@@ -183,12 +188,13 @@ class LLMEngine:
         # early_fill's account (logged with the core loop's at exit): steps whose tokens were
         # on the host at the end of the call ("taken") or not yet ("missed")
         self.early_fills = {"taken": 0, "missed": 0}
-        if self.overlap_fill:
-            log.info("experiment: guided mask fills start on a thread %s "
-                     "(BUCKETSERVE_OVERLAP_FILL=%s)", "once the tokens reach the host, "
-                     "as early as the end of the previous call" if self.early_fill
-                     else "during the resolve, and the next step is scheduled and prepared "
-                     "meanwhile" if self.schedule_ahead else "during the resolve", overlap)
+        if overlap in ("1", "2"):
+            log.info("experiment: guided mask fills start on a thread %s (%s=%s)",
+                     "once the tokens reach the host, as early as the end of the previous call"
+                     if self.early_fill else "during the resolve", OVERLAP_FILL_ENV, overlap)
+        elif overlap == "0":
+            log.info("guided steps: the mask fill inside the sampling, the next step scheduled "
+                     "after it (%s=0)", OVERLAP_FILL_ENV)
         if os.environ.get("BUCKETSERVE_FILL_THREADS", "").strip():  # a bad value fails here
             from bucketserve.engine.structured import fill_threads
 
