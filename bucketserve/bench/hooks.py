@@ -15,7 +15,8 @@ engine core process and the front ends. The variables:
 - BUCKETSERVE_CORE_TRACE=FILE[:GUIDED[:STEPS]]: a torch.profiler trace (host and CUDA) of
   STEPS engine steps (default 30), from the first step that finds at least GUIDED running
   sequences under a grammar (default 0: the first step), written to FILE (a Chrome trace,
-  gzipped where FILE ends in .gz) and FILE.txt (the ops' host and device times per step).
+  gzipped where FILE ends in .gz; the engine's parts are named ranges in it) and FILE.txt
+  (the ops' host and device times).
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ def _trace_spec(spec: str) -> dict:
     return out
 
 
+def _in_range(fn, label: str):
+    from torch.profiler import record_function
+
+    def wrapper(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
 def trace_steps(engine, path: str, guided: int = 0, steps: int = 30) -> None:
     """Wraps `engine.step_news` so that `steps` steps run under torch.profiler, from the first
     one that finds `guided` or more running sequences under a grammar; then writes the trace
@@ -74,6 +84,16 @@ def trace_steps(engine, path: str, guided: int = 0, steps: int = 30) -> None:
     inner = engine.step_news
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     state: dict = {"left": steps, "prof": None}
+    # the engine's parts, each a named range in the trace while it records (the Python
+    # between the ops is otherwise unnamed)
+    runner = engine.runner
+    parts = [(engine, "_resolve"), (engine, "_schedule_ahead"), (engine, "_start_masks"),
+             (engine.scheduler, "schedule"), (engine.outputs, "add_news"),
+             (runner, "launch"), (runner, "launch_forward"), (runner, "prepare_forward"),
+             (runner, "enqueue_forward"), (runner, "sample_queued"),
+             (getattr(runner, "sampler", None), "sample")]
+    parts = [(obj, name, vars(obj).get(name)) for obj, name in parts
+             if callable(getattr(obj, name, None))]
 
     def step_news():
         prof = state["prof"]
@@ -81,6 +101,8 @@ def trace_steps(engine, path: str, guided: int = 0, steps: int = 30) -> None:
                 s.grammar is not None for s in engine.scheduler.running) >= guided:
             prof = state["prof"] = profile(activities=acts)
             prof.__enter__()
+            for obj, name, _ in parts:
+                setattr(obj, name, _in_range(getattr(obj, name), name.lstrip("_")))
         try:
             return inner()
         finally:
@@ -89,6 +111,11 @@ def trace_steps(engine, path: str, guided: int = 0, steps: int = 30) -> None:
                 if not state["left"]:
                     state["prof"] = None
                     engine.step_news = inner
+                    for obj, name, own in parts:  # as they were
+                        if own is None:
+                            vars(obj).pop(name, None)
+                        else:
+                            setattr(obj, name, own)
                     prof.__exit__(None, None, None)
                     prof.export_chrome_trace(path)
                     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
