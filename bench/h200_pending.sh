@@ -71,7 +71,7 @@ structured)
     # TRACE=1: one run (not timed: the profiler slows it) whose core records 30 steps under
     # torch.profiler from the first with 96 guided sequences (bucketserve/bench/hooks.py)
     local mod=bucketserve.server.cli trace="" reps=$REPEATS
-    [[ " $* " == *" TRACE=1 "* ]] && { mod=bucketserve.bench.hooks; trace=$O/trace_$tag.json.gz:96:30; reps=1; }
+    [[ " $* " == *" TRACE=1 "* ]] && { mod=bucketserve.bench.hooks; trace=$O/trace_$tag.json.gz:96:30:300; reps=1; }
     (cd /tmp && env "$@" BUCKETSERVE_CORE_TRACE="$trace" PYTHONPATH="$code:/tmp/site" \
       timeout "${T_RUN:-150}" python3 "$R/bench/structured_gpu.py" \
       --repeats "$reps" --out "$O/structured_$tag.json" --base-url http://127.0.0.1:8200 \

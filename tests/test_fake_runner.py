@@ -75,7 +75,9 @@ def test_core_trace_records_the_asked_steps_then_unwraps(engine, tmp_path) -> No
     seams = seams_from({"BUCKETSERVE_FAKE_RUNNER": "0", "BUCKETSERVE_CORE_TRACE": f"{path}:0:3"})
     calls = seams.prepare_engine.args[0]  # the fake runner, then the trace: in turn
     assert [c.func for c in calls] == [install, trace_steps]
-    assert calls[1].keywords == {"path": str(path), "guided": 0, "steps": 3}
+    assert calls[1].keywords == {"path": str(path), "guided": 0, "steps": 3, "skip": 0}
+    assert _trace_spec("t.json:96:30:200") == {"path": "t.json", "guided": 96, "steps": 30,
+                                               "skip": 200}
     inner = engine.step_news
     trace_steps(engine, str(path), steps=3)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.0, detokenize=False))
@@ -90,6 +92,14 @@ def test_core_trace_records_the_asked_steps_then_unwraps(engine, tmp_path) -> No
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, detokenize=False))
     assert not other.exists()
     engine.step_news = inner
-    for bad in (":1", "f:-1", "f:0:0", "f:x"):
+    # skipped steps: a request of 3 tokens (at most 5 steps) is inside the 10 skipped, the
+    # next one of 20 reaches the 2 traced
+    skipped = tmp_path / "skipped.json"
+    trace_steps(engine, str(skipped), steps=2, skip=10)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, detokenize=False))
+    assert not skipped.exists()
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=20, temperature=0.0, detokenize=False))
+    assert skipped.exists() and engine.step_news == inner
+    for bad in (":1", "f:-1", "f:0:0", "f:x", "f:0:1:-1", "f:0:1:0:9"):
         with pytest.raises(ValueError):
             _trace_spec(bad)

@@ -12,9 +12,9 @@ engine core process and the front ends. The variables:
 - BUCKETSERVE_FAKE_RUNNER=STEP_S: the real core with engine/fake_runner's runner (no model
   forward; a step's ids are ready STEP_S after its launch): the engine's host cost alone;
 - BUCKETSERVE_CORE_PROFILE=FILE: cProfile of the engine core loop, written to FILE;
-- BUCKETSERVE_CORE_TRACE=FILE[:GUIDED[:STEPS]]: a torch.profiler trace (host and CUDA) of
-  STEPS engine steps (default 30), from the first step that finds at least GUIDED running
-  sequences under a grammar (default 0: the first step), written to FILE (a Chrome trace,
+- BUCKETSERVE_CORE_TRACE=FILE[:GUIDED[:STEPS[:SKIP]]]: a torch.profiler trace (host and
+  CUDA) of STEPS engine steps (default 30), from the SKIP+1-th step (default 0: the first) that
+  finds at least GUIDED running sequences under a grammar (default 0), written to FILE (a Chrome trace,
   gzipped where FILE ends in .gz; the engine's parts are named ranges in it) and FILE.txt
   (the ops' host and device times).
 """
@@ -56,12 +56,16 @@ def _in_turn(calls: list, engine) -> None:
 
 
 def _trace_spec(spec: str) -> dict:
-    """FILE[:GUIDED[:STEPS]] -> trace_steps' keywords (ValueError on a malformed one)."""
-    path, _, rest = spec.partition(":")
-    guided, _, steps = rest.partition(":")
-    out = {"path": path, "guided": int(guided or 0), "steps": int(steps or 30)}
-    if not path or out["guided"] < 0 or out["steps"] < 1:
-        raise ValueError(f"BUCKETSERVE_CORE_TRACE={spec!r}: expected FILE[:GUIDED>=0[:STEPS>=1]]")
+    """FILE[:GUIDED[:STEPS[:SKIP]]] -> trace_steps' keywords (ValueError on a malformed one)."""
+    path, *rest = spec.split(":")
+    if len(rest) > 3:
+        rest = ["x"]
+    guided, steps, skip = (rest + ["", "", ""])[:3]
+    out = {"path": path, "guided": int(guided or 0), "steps": int(steps or 30),
+           "skip": int(skip or 0)}
+    if not path or out["guided"] < 0 or out["steps"] < 1 or out["skip"] < 0:
+        raise ValueError(f"BUCKETSERVE_CORE_TRACE={spec!r}: "
+                         "expected FILE[:GUIDED>=0[:STEPS>=1[:SKIP>=0]]]")
     return out
 
 
@@ -74,16 +78,17 @@ def _in_range(fn, label: str):
     return wrapper
 
 
-def trace_steps(engine, path: str, guided: int = 0, steps: int = 30) -> None:
-    """Wraps `engine.step_news` so that `steps` steps run under torch.profiler, from the first
-    one that finds `guided` or more running sequences under a grammar; then writes the trace
-    and its table (see the module's docstring). Once per server."""
+def trace_steps(engine, path: str, guided: int = 0, steps: int = 30, skip: int = 0) -> None:
+    """Wraps `engine.step_news` so that `steps` steps run under torch.profiler, from the
+    `skip`+1-th one that finds `guided` or more running sequences under a grammar (a skip
+    passes a server's ramp-up); then writes the trace and its table (see the module's
+    docstring). Once per server."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     inner = engine.step_news
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    state: dict = {"left": steps, "prof": None}
+    state: dict = {"left": steps, "prof": None, "skip": skip}
     # the engine's parts, each a named range in the trace while it records (the Python
     # between the ops is otherwise unnamed)
     runner = engine.runner
@@ -99,6 +104,8 @@ def trace_steps(engine, path: str, guided: int = 0, steps: int = 30) -> None:
         prof = state["prof"]
         if prof is None and state["left"] and sum(
                 s.grammar is not None for s in engine.scheduler.running) >= guided:
+            state["skip"] -= 1
+        if prof is None and state["left"] and state["skip"] < 0:
             prof = state["prof"] = profile(activities=acts)
             prof.__enter__()
             for obj, name, _ in parts:
