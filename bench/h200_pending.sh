@@ -69,7 +69,7 @@ structured)
     echo "== $tag $(date +%T) $(which_package "$code") ${*:-as shipped}"
     host before
     # TRACE=1: one run (not timed: the profiler slows it) whose core records 30 steps under
-    # torch.profiler from the first with 96 guided sequences (bucketserve/bench/hooks.py)
+    # torch.profiler from the 301st with 96 guided sequences, past the ramp-up (bench/hooks.py)
     local mod=bucketserve.server.cli trace="" reps=$REPEATS
     [[ " $* " == *" TRACE=1 "* ]] && { mod=bucketserve.bench.hooks; trace=$O/trace_$tag.json.gz:96:30:300; reps=1; }
     (cd /tmp && env "$@" BUCKETSERVE_CORE_TRACE="$trace" PYTHONPATH="$code:/tmp/site" \
