@@ -101,5 +101,5 @@ def test_core_trace_records_the_asked_steps_then_unwraps(engine, tmp_path) -> No
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=20, temperature=0.0, detokenize=False))
     assert skipped.exists() and engine.step_news == inner
     for bad in (":1", "f:-1", "f:0:0", "f:x", "f:0:1:-1", "f:0:1:0:9"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="BUCKETSERVE_CORE_TRACE"):
             _trace_spec(bad)

@@ -57,15 +57,19 @@ def _in_turn(calls: list, engine) -> None:
 
 def _trace_spec(spec: str) -> dict:
     """FILE[:GUIDED[:STEPS[:SKIP]]] -> trace_steps' keywords (ValueError on a malformed one)."""
+    bad = ValueError(f"BUCKETSERVE_CORE_TRACE={spec!r}: "
+                     "expected FILE[:GUIDED>=0[:STEPS>=1[:SKIP>=0]]]")
     path, *rest = spec.split(":")
-    if len(rest) > 3:
-        rest = ["x"]
+    if not path or len(rest) > 3:
+        raise bad
     guided, steps, skip = (rest + ["", "", ""])[:3]
-    out = {"path": path, "guided": int(guided or 0), "steps": int(steps or 30),
-           "skip": int(skip or 0)}
-    if not path or out["guided"] < 0 or out["steps"] < 1 or out["skip"] < 0:
-        raise ValueError(f"BUCKETSERVE_CORE_TRACE={spec!r}: "
-                         "expected FILE[:GUIDED>=0[:STEPS>=1[:SKIP>=0]]]")
+    try:
+        out = {"path": path, "guided": int(guided or 0), "steps": int(steps or 30),
+               "skip": int(skip or 0)}
+    except ValueError:
+        raise bad from None
+    if out["guided"] < 0 or out["steps"] < 1 or out["skip"] < 0:
+        raise bad
     return out
 
 
