@@ -341,6 +341,15 @@ class QueuedForward:
     hidden: torch.Tensor
     rows: torch.Tensor | None  # the hidden rows to sample (None: the first k)
     padding: int
+    # each sampled sequence's index in this step's ids, built once (`sample_index`): by a
+    # step prepared ahead of this one's sampling (schedule_ahead), or by the sampling
+    index: dict[Sequence, int] | None = None
+
+    def sample_index(self) -> dict[Sequence, int]:
+        if self.index is None:
+            self.index = dict(zip(self.plan.sampled(self.batch.seqs),
+                                  range(len(self.plan.sample_seqs)), strict=True))
+        return self.index
 
 
 class RunnerStep:
@@ -547,11 +556,8 @@ class ModelRunner:
         `enqueue_forward` takes it, no other step may be prepared or launched, except the
         sampling of `after`."""
         t0 = time.perf_counter()
-        if after is None:
-            index = self._last_index
-        else:  # what _sample will set for `after`
-            index = dict(zip(after.plan.sampled(after.batch.seqs),
-                             range(len(after.plan.sample_seqs)), strict=True))
+        # (`after`'s index is what its sampling will set as the last one)
+        index = self._last_index if after is None else after.sample_index()
         plan = self.inputs.fill(batch, index)
         path, size, padding = self._choose_forward(plan)
         self.step_timing["prepare_s"] += time.perf_counter() - t0
@@ -600,7 +606,7 @@ class ModelRunner:
             before_sample()
         t3 = time.perf_counter()
         step = self._sample(queued.batch, queued.plan, queued.hidden, queued.rows,
-                            queued.padding, pending_offset)
+                            queued.padding, pending_offset, queued.index)
         self.step_timing["sample_s"] += time.perf_counter() - t3
         return step
 
@@ -677,7 +683,10 @@ class ModelRunner:
     # -- the sampling tail ------------------------------------------------------------------
 
     def _sample(self, batch: ScheduledBatch, plan: StepPlan, hidden: torch.Tensor,
-                rows: torch.Tensor | None, padding: int, pending_offset: int = 0) -> RunnerStep:
+                rows: torch.Tensor | None, padding: int, pending_offset: int = 0,
+                index: dict[Sequence, int] | None = None) -> RunnerStep:
+        """Queues the sampling of a forward's hidden rows. `index`: the sampled sequences'
+        index in the ids where a step prepared ahead built it already (else built here)."""
         k = len(plan.sample_seqs)
         if not k:
             self._last_tokens, self._last_index = None, {}
@@ -694,6 +703,7 @@ class ModelRunner:
             host[:k].copy_(tokens, non_blocking=True)
             ready.record()
         self._last_tokens = tokens
-        self._last_index = dict(zip(sampled_seqs, range(k), strict=True))
+        self._last_index = index if index is not None else dict(
+            zip(sampled_seqs, range(k), strict=True))
         return RunnerStep(batch, padding, plan.sample_seqs, tokens, host, ready, logprobs,
                           self.step_timing)
