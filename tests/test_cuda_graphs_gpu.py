@@ -38,9 +38,28 @@ def decode_meta(lens: list[int], gen: torch.Generator) -> AttentionMetadata:
         max_seq_len=max(lens), query_lens_cpu=[1] * len(lens), seq_lens_cpu=list(lens))
 
 
+def host_buffers(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, rows: int,
+                 width: int) -> tuple[torch.Tensor, ...]:
+    """The step's inputs as the runner's pinned host buffers hold them: `rows` long (rows
+    past the step hold junk a load must not read), tables `width` wide."""
+    n = ids.shape[0]
+
+    def buf(x: torch.Tensor, shape) -> torch.Tensor:
+        out = torch.full(shape, 7, dtype=x.dtype).pin_memory()
+        out[tuple(slice(0, d) for d in x.shape)] = x.cpu()
+        return out
+
+    assert rows > n
+    return (buf(ids, rows), buf(pos, rows), buf(meta.slot_mapping, rows),
+            buf(meta.seq_lens, rows), buf(meta.block_tables, (rows, width)))
+
+
 @needs_cuda
+@pytest.mark.parametrize("via", ["run", "load"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_graphs_match_eager(dtype):
+def test_decode_graphs_match_eager(dtype, via):
+    """`run` (device tensors copied in) and `load` + `replay` (the runner's pinned host
+    buffers copied straight into the static inputs) both replay what eager computes."""
     pytest.importorskip("triton")
     from bucketserve.kernels.cuda_graphs import DecodeGraphs
     from bucketserve.kernels.triton_attention import TritonAttentionBackend
@@ -73,7 +92,12 @@ def test_decode_graphs_match_eager(dtype):
             want_tokens = model.compute_logits(want).argmax(-1)
         kv_eager = kv.clone()
         kv.copy_(kv_before)
-        got = graphs.run(ids, pos, meta).clone()
+        if via == "run":
+            got = graphs.run(ids, pos, meta).clone()
+        else:
+            loaded = graphs.load(n, *host_buffers(ids, pos, meta, 12, 32))
+            assert torch.equal(loaded, ids)
+            got = graphs.replay(n).clone()
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, **TOL[dtype])
         if dtype == torch.float32:

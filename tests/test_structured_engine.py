@@ -364,6 +364,40 @@ def test_grammar_masks_on_a_growing_batch_double_their_buffers(small_compiler):
     assert caps == [2, 4, 4, 8, 16]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_guided_batches_are_masked_in_place(small_compiler, dtype):
+    """A batch of greedy rows whose only processing is a grammar (the runner's logits, passed
+    with inplace=True) is masked in the logits' own dtype without a copy and gives the tokens
+    of the copying path; a batch with any other row (logprobs, a draw, active min_tokens)
+    takes the copying path, and without inplace the caller's logits are never touched."""
+    from bucketserve.engine.sampler import Sampler
+    from bucketserve.engine.sequence import Sequence
+
+    def batch(extra: dict) -> list:
+        seqs = []
+        for i, params in enumerate([{}, {}, extra, {}, {}]):
+            seq = Sequence([1, 2, 3], SamplingParams(**{"max_tokens": 8, "temperature": 0,
+                                                        **params}))
+            if i % 2 == 0:
+                seq.grammar = small_state(small_compiler)
+            seqs.append(seq)
+        return seqs
+
+    gen = torch.Generator().manual_seed(0)
+    for extra, fast in [({}, True), ({"logprobs": 2}, False),
+                        ({"temperature": 0.7, "seed": 3}, False), ({"min_tokens": 2}, False)]:
+        logits = torch.randn(5, 128, generator=gen).to(dtype)
+        raw = logits.clone()
+        want, _ = Sampler(seed=0).sample(logits, batch(extra))
+        assert torch.equal(logits, raw)  # not in place without inplace=True
+        got, _ = Sampler(seed=0).sample(logits, batch(extra), inplace=True)
+        assert torch.equal(got, want), extra
+        # the fast path wrote -inf over the grammar rows' banned tokens; the other left them
+        assert torch.equal(logits, raw) is not fast, extra
+        for r in (0, 2, 4):  # each grammar row took an allowed token: a choice's first letter
+            assert small_compiler[0].tokens[int(got[r])] in "ynm", (extra, r)
+
+
 def test_fill_threads_setting():
     from bucketserve.engine.structured import fill_threads
 

@@ -10,8 +10,9 @@ One step, on any device:
      rows whose input token is still on the device, see below); the buffers are copied to
      the device with non-blocking copies;
   2. one of the forwards: a pure-decode step of n <= the largest decode graph size
-     replays a decode CUDA graph (kernels/cuda_graphs.DecodeGraphs.run, which pads to the
-     captured size with dummy rows); a prefill or mixed step (or a larger decode step)
+     replays a decode CUDA graph (kernels/cuda_graphs.DecodeGraphs: the host buffers are
+     copied straight into its static inputs, padded to the captured size with dummy
+     rows); a prefill or mixed step (or a larger decode step)
      replays the graph of the next captured token count, attention included
      (kernels/cuda_graphs.MixedGraphs: its static inputs are copied straight from the
      pinned host buffers; `[prefill] mixed_graphs = "piecewise"`: PiecewiseGraphs, graphs
@@ -573,6 +574,11 @@ class ModelRunner:
         if path == "mixed_graph":  # inputs straight into the graph's static buffers
             ids = self._load_mixed_graph(size, plan)
             pos = meta = None
+        elif path == "decode_graph":  # likewise
+            n = plan.num_seqs
+            ids = self.graphs.load(n, inp.h_ids, inp.h_pos, inp.h_slots, inp.h_seq_lens,
+                                   inp.h_tables)
+            pos = meta = None
         else:
             ids, pos, meta = inp.to_device(plan)
         if plan.placeholder_rows:
@@ -583,7 +589,8 @@ class ModelRunner:
         inp.mark_copied()
         t1 = time.perf_counter()
         if path == "decode_graph":
-            hidden = self._forward_decode_graph(ids, pos, meta)
+            self.num_graph_steps += 1
+            hidden = self.graphs.replay(plan.num_seqs)
         elif path == "mixed_graph":
             self.num_piecewise_steps += 1
             hidden = self.piecewise.run(size, plan.num_tokens)
@@ -659,11 +666,6 @@ class ModelRunner:
                 inp.h_tables[:n], self._h_counts)
         return mg.input_ids[:ntok]
 
-    def _forward_decode_graph(self, ids: torch.Tensor, pos: torch.Tensor,
-                              meta: AttentionMetadata) -> torch.Tensor:
-        self.num_graph_steps += 1
-        return self.graphs.run(ids, pos, meta)
-
     def _forward_piecewise(self, t: int, ids: torch.Tensor, pos: torch.Tensor,
                            meta: AttentionMetadata) -> torch.Tensor:
         pw = self.piecewise
@@ -692,9 +694,10 @@ class ModelRunner:
             self._last_tokens, self._last_index = None, {}
             return RunnerStep(batch, padding)
         h = hidden[:k] if rows is None else hidden.index_select(0, rows)
-        logits = self.model.compute_logits(h)
+        logits = self.model.compute_logits(h, widen=False)  # (the sampler widens if needed)
         sampled_seqs = plan.sampled(batch.seqs)
-        tokens, logprobs = self.sampler.sample(logits, sampled_seqs, pending_offset)
+        tokens, logprobs = self.sampler.sample(logits, sampled_seqs, pending_offset,
+                                               inplace=True)
         host = ready = None
         if self._token_events:  # CUDA: start the copy to the host now, wait for it later
             p = self._parity

@@ -131,13 +131,14 @@ class Sampler:
         tokens, logprobs = self.sample(logits, seqs)
         return SamplerOutput(tokens.tolist(), logprobs or [None] * len(seqs))
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], pending_offset: int = 0
-               ) -> tuple[torch.Tensor, list[TokenLogprob | None] | None]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], pending_offset: int = 0,
+               inplace: bool = False) -> tuple[torch.Tensor, list[TokenLogprob | None] | None]:
         """-> (token ids [B] long on the logits' device, logprobs per row or None when no row
         asks for them). Plain greedy batches never wait for the device here (the caller
         copies the ids to the host when it needs them); rows with top-p or logprobs do.
         `pending_offset`: added to every row's pending tokens (-1 where the scheduler counted
-        this step's token already)."""
+        this step's token already). `inplace`: the logits are the caller's to lose (a batch
+        of greedy rows whose only processing is grammar masks masks them in place)."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab], got {tuple(logits.shape)}")
         # Common case: plain greedy everywhere -> one argmax, nothing else. The argmax runs on
@@ -151,6 +152,13 @@ class Sampler:
                 plain = False
                 break
         if plain:
+            return torch.argmax(logits, dim=-1), None
+        if inplace and all(s.argmax_only and not _min_tokens_active(s, pending_offset)
+                           for s in seqs):
+            # greedy rows, some under a grammar and nothing else: the masks go straight into
+            # the logits in their own dtype (no widened copy, no clone), then the argmax
+            g_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+            self._grammar_masks().apply(logits, g_rows, [seqs[i].grammar for i in g_rows])
             return torch.argmax(logits, dim=-1), None
         if logits.dtype != torch.float32:
             logits = logits.float()
@@ -170,11 +178,15 @@ class Sampler:
         """Starts the grammar masks of a coming `sample` (engine/structured.GrammarMasks.start):
         rows are the sampled rows with a grammar, `states` their GrammarStates, b the rows
         of its logits and vocab their width."""
+        self._grammar_masks().start(rows, states, b, vocab, torch.device(device))
+
+    def _grammar_masks(self):
+        """The engine/structured.GrammarMasks of this sampler, made at the first guided row."""
         if self._masks is None:
             from bucketserve.engine.structured import GrammarMasks
 
             self._masks = GrammarMasks()
-        self._masks.start(rows, states, b, vocab, torch.device(device))
+        return self._masks
 
     # -- logit processing -------------------------------------------------------------------
 
@@ -202,11 +214,7 @@ class Sampler:
                               torch.tensor(vals, dtype=logits.dtype, device=device), accumulate=True)
         g_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if g_rows:
-            if self._masks is None:
-                from bucketserve.engine.structured import GrammarMasks
-
-                self._masks = GrammarMasks()
-            self._masks.apply(logits, g_rows, [seqs[i].grammar for i in g_rows])
+            self._grammar_masks().apply(logits, g_rows, [seqs[i].grammar for i in g_rows])
         if not special:
             return logits
 

@@ -202,31 +202,56 @@ class DecodeGraphs:
         """Replays the graph for a pure-decode step -> hidden [n, H]. The result is a view
         of the graph's static output: use it before the next run()."""
         n = meta.num_seqs
-        bs = self.padded_size(n)
-        if meta.num_decodes != n or bs is None or not self.graphs:
-            raise ValueError(f"no captured graph for {n} sequences ({meta.num_decodes} decodes); "
-                             "run this step eagerly")
-        width = meta.block_tables.shape[1]
-        if width > self.block_tables.shape[1]:
-            raise ValueError(f"block tables are {width} wide; graphs were captured for "
-                             f"{self.block_tables.shape[1]}")
+        self._stage(n, meta.num_decodes, meta.block_tables.shape[1])
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
         # columns >= width of real rows are stale but never read: a row reads only the
         # ceil(seq_len / block_size) <= width pages its sequence owns
-        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        return self.replay(n)
+
+    @torch.inference_mode()
+    def load(self, n: int, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """A decode step of n sequences from the host: each of its (pinned) buffers is copied
+        straight into the static inputs with one non-blocking copy, rows [:n] (block tables:
+        whole rows), where `run` would copy device tensors made first. Returns the static
+        input ids [:n] (placeholders may be gathered into them); then `replay(n)`."""
+        self._stage(n, n, block_tables.shape[1])
+        self.input_ids[:n].copy_(ids[:n], non_blocking=True)
+        self.positions[:n].copy_(positions[:n], non_blocking=True)
+        self.slot_mapping[:n].copy_(slots[:n], non_blocking=True)
+        self.seq_lens[:n].copy_(seq_lens[:n], non_blocking=True)
+        self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables[:n], non_blocking=True)
+        return self.input_ids[:n]
+
+    def replay(self, n: int) -> torch.Tensor:
+        """Replays the graph of a step of n decodes whose inputs are in place -> hidden [n, H]
+        (a view of the graph's static output: use it before the next replay)."""
+        bs = self.padded_size(n)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
+
+    def _stage(self, n: int, num_decodes: int, width: int) -> None:
+        """Checks a step of n sequences against the captured graphs and turns the rows left
+        over from a larger step back into dummies."""
+        bs = self.padded_size(n)
+        if num_decodes != n or bs is None or not self.graphs:
+            raise ValueError(f"no captured graph for {n} sequences ({num_decodes} decodes); "
+                             "run this step eagerly")
+        if width > self.block_tables.shape[1]:
+            raise ValueError(f"block tables are {width} wide; graphs were captured for "
+                             f"{self.block_tables.shape[1]}")
         end = min(bs, self._dirty)
-        if end > n:  # turn rows left over from a larger step back into dummies
+        if end > n:
             self.input_ids[n:end].zero_()
             self.positions[n:end].zero_()
             self.slot_mapping[n:end].zero_()
             self.seq_lens[n:end].fill_(1)
             self.block_tables[n:end].zero_()
         self._dirty = self._dirty if self._dirty > bs else n
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
 
 
 def best_ms(fn, device: torch.device, passes: int) -> float:

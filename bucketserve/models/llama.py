@@ -834,15 +834,18 @@ class LlamaForCausalLM(nn.Module):
                 m.deferred, m.unit = bands, unit
         return info
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] float32 (only the rows passed in are projected)."""
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32 (only the rows passed in are projected).
+        `widen=False`: in the GEMM's own dtype (the engine's sampler widens the rows that need
+        more than an argmax; an argmax of the narrow logits is the same)."""
         if self.lm_head_quant is not None:
             return self.lm_head_quant(hidden)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self._lm_head_gemv is not None and hidden.shape[0] == 1:
-            return _gemv(hidden, w, self._lm_head_gemv).float()
-        if self._lm_head_packed is not None and not torch.is_grad_enabled():
+            logits = _gemv(hidden, w, self._lm_head_gemv)
+        elif self._lm_head_packed is not None and not torch.is_grad_enabled():
             return packed_linear(self.cpu.gemm, hidden.contiguous(), self._lm_head_packed, w,
                                  None)
-        logits = F.linear(hidden, w)
-        return logits if logits.dtype == torch.float32 else logits.float()
+        else:
+            logits = F.linear(hidden, w)
+        return logits if logits.dtype == torch.float32 or not widen else logits.float()
