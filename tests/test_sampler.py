@@ -215,11 +215,12 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert EOS not in tokens.tolist() and 12 not in tokens.tolist()
 
 
-def reference_plain(s: Sequence) -> bool:
-    """The fast path's condition, read from the params as it was before the row flags."""
+def reference_plain(s: Sequence, grammar: bool = True) -> bool:
+    """The fast path's condition, read from the params as it was before the row flags
+    (grammar=False: the grammar is not read)."""
     p = s.params
     return not (p.temperature >= 1e-5 or p.logprobs is not None or p.repetition_penalty != 1.0
-                or s.grammar is not None or p.logit_bias
+                or (grammar and s.grammar is not None) or p.logit_bias
                 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                 or (p.min_tokens and len(s.token_ids) + s.num_pending - s.num_prompt_tokens
                     < p.min_tokens))
@@ -239,14 +240,17 @@ ROW_KINDS = [
 def test_row_flags_decide_as_the_params(pending):
     """Sequence's sampling flags (read once from the params) give the same fast-path, argmax
     and min_tokens decisions as the params read every step, pending tokens included."""
-    from bucketserve.engine.sampler import _min_tokens_active, _plain_row
+    from bucketserve.engine.sampler import MASKED, OTHER, PLAIN, _min_tokens_active, _row_kind
 
     for kind in ROW_KINDS:
         for output in ([], [1], [1, 2], [1, 2, 3]):
             seq = make_seq(output=output, **kind)
             seq.num_pending = pending
             p = seq.params
-            assert _plain_row(seq) == reference_plain(seq), (kind, output)
+            assert (_row_kind(seq) == PLAIN) == reference_plain(seq), (kind, output)
+            seq.grammar = object()  # the same row under a grammar: MASKED where it was PLAIN
+            assert _row_kind(seq) == (MASKED if reference_plain(seq, grammar=False) else OTHER)
+            seq.grammar = None
             assert seq.sample_argmax == (p.greedy or p.top_k == 1)
             assert seq.penalised == (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                                      or p.frequency_penalty != 0.0)

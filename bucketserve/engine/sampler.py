@@ -52,10 +52,15 @@ def _min_tokens_active(seq: Sequence, pending_offset: int = 0) -> bool:
     return len(seq.token_ids) + seq.num_pending + pending_offset < seq.min_tokens_end
 
 
-def _plain_row(s: Sequence, pending_offset: int = 0) -> bool:
-    """Greedy, and nothing but the argmax this step: no logprobs, grammar, bias, penalty or
-    active min_tokens."""
-    return s.argmax_only and s.grammar is None and not _min_tokens_active(s, pending_offset)
+PLAIN, MASKED, OTHER = 0, 1, 2  # _row_kind
+
+
+def _row_kind(s: Sequence, pending_offset: int = 0) -> int:
+    """PLAIN: greedy, and nothing but the argmax this step (no logprobs, grammar, bias, penalty
+    or active min_tokens); MASKED: the same under a grammar; OTHER: anything else."""
+    if not s.argmax_only or _min_tokens_active(s, pending_offset):
+        return OTHER
+    return PLAIN if s.grammar is None else MASKED
 
 
 def _counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -145,19 +150,25 @@ class Sampler:
         # the logits' own dtype: widening to float32 is exact and keeps the order (and the
         # first of tied maxima), so the result is the same without the [B, V] copy. The check
         # runs for every sequence of every step: one flag (Sequence.sample_plain) for most
-        # rows, the whole test (_plain_row) for the others.
-        plain = True
-        for s in seqs:
-            if not (s.sample_plain and s.grammar is None) and not _plain_row(s, pending_offset):
-                plain = False
+        # rows, the whole test (_row_kind) for the others. `masked`: every row is greedy and
+        # nothing but a grammar mask changes its logits (g_rows: the rows with a grammar).
+        plain = masked = True
+        g_rows: list[int] = []
+        for i, s in enumerate(seqs):
+            if s.sample_plain and s.grammar is None:
+                continue
+            kind = _row_kind(s, pending_offset)
+            if kind == OTHER:
+                plain = masked = False
                 break
+            if kind == MASKED:
+                plain = False
+                g_rows.append(i)
         if plain:
             return torch.argmax(logits, dim=-1), None
-        if inplace and all(s.argmax_only and not _min_tokens_active(s, pending_offset)
-                           for s in seqs):
-            # greedy rows, some under a grammar and nothing else: the masks go straight into
-            # the logits in their own dtype (no widened copy, no clone), then the argmax
-            g_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if masked and inplace:
+            # the masks go straight into the logits in their own dtype (no widened copy, no
+            # clone), then the argmax
             self._grammar_masks().apply(logits, g_rows, [seqs[i].grammar for i in g_rows])
             return torch.argmax(logits, dim=-1), None
         if logits.dtype != torch.float32:
