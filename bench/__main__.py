@@ -34,7 +34,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "fp8_silu_gpu.py", "gemm_gpu.py", "bert_fused_gpu.py", "cpu_quant_kernels.py")),
     ("Host cost and the front end", (
         "frontend_capacity.py", "frontend_sizing.py", "embeddings_frontend.py",
-        "core_overhead.py", "guided_host_cpu.py", "guided_chain_cpu.py", "xgrammar_gil_cpu.py",
+        "core_overhead.py", "guided_host_cpu.py", "guided_chain_cpu.py", "guided_launch_gpu.py",
+        "xgrammar_gil_cpu.py",
         "grammar_fill_cpu.py", "ipc_microbench.py", "client_capacity.py")),
     ("Embeddings", (
         "embeddings_offline.py", "embeddings_online.py", "bert_cpu_isa.py", "embeddings_gpu.py",
