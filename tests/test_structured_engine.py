@@ -398,6 +398,40 @@ def test_greedy_guided_batches_are_masked_in_place(small_compiler, dtype):
             assert small_compiler[0].tokens[int(got[r])] in "ynm", (extra, r)
 
 
+def test_the_cuda_mask_kernel_masks_bf16_logits_as_float32(monkeypatch):
+    """On CUDA, GrammarMasks.apply runs xgrammar's Triton kernel (its "auto" backend there),
+    now on the logits in the model's dtype: through Triton's interpreter, bf16 logits get -inf
+    exactly where float32 ones do (the rows the indices name, by their bitmask rows) and keep
+    every other value. On a GPU, tests/test_structured_gpu.py runs the compiled kernel."""
+    import types
+
+    from triton_interp import interpreted_triton
+
+    interpreted_triton()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: types.SimpleNamespace(
+        multi_processor_count=4, gcnArchName=""))
+    from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
+        apply_token_bitmask_inplace_triton,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 300
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), generator=gen,
+                            dtype=torch.int64).to(torch.int32)
+    rows = torch.tensor([0, 2], dtype=torch.int32)
+    base = torch.randn(3, vocab, generator=gen)
+    wide, narrow = base.clone(), base.to(torch.bfloat16)
+    apply_token_bitmask_inplace_triton(wide, bitmask, None, rows)
+    apply_token_bitmask_inplace_triton(narrow, bitmask, None, rows)
+    banned = torch.isinf(wide)
+    assert banned[[0, 2]].any() and not banned[1].any()
+    for r in (0, 2):  # bit t of row r's mask clear <=> token t banned
+        bits = (bitmask[r].to(torch.int64).unsqueeze(1) >> torch.arange(32)) & 1
+        assert torch.equal(banned[r], bits.reshape(-1)[:vocab] == 0)
+    assert torch.equal(torch.isinf(narrow), banned)
+    assert torch.equal(narrow[~banned], base.to(torch.bfloat16)[~banned])
+
+
 def test_fill_threads_setting():
     from bucketserve.engine.structured import fill_threads
 
