@@ -216,3 +216,57 @@ def test_one_token_prompt_chunk_is_not_sampled():
     plan = inp.fill(batch)
     assert plan.sample_seqs == [0, 2] and plan.sample_rows == [0, 2]
     assert (plan.sample_rows, plan.sample_seqs) == reference(batch)[5:]
+
+
+class _Replays:
+    """A stand-in for a captured graph (DecodeGraphs' static-input handling needs no GPU)."""
+
+    def __init__(self, log: list[int], bs: int) -> None:
+        self.log, self.bs = log, bs
+
+    def replay(self) -> None:
+        self.log.append(self.bs)
+
+
+def test_decode_graph_load_fills_the_static_inputs_as_run_does():
+    """DecodeGraphs.load (the runner's host buffers copied straight into the static inputs)
+    leaves the static inputs as DecodeGraphs.run (device tensors of the step) does, step after
+    step (growing, shrinking: the rows past the step that its graph reads are dummies), reads only
+    the step's rows of longer buffers, and replays the same padded graph. On a GPU,
+    tests/test_cuda_graphs_gpu.py checks both against the eager forward."""
+    from bucketserve.kernels.attention import AttentionMetadata
+    from bucketserve.kernels.cuda_graphs import DecodeGraphs
+
+    sizes, width, rows = [2, 4, 8], 6, 12
+    pair, logs = [], []
+    for _ in range(2):
+        g = DecodeGraphs(torch.nn.Identity(), sizes, max_blocks_per_seq=width, max_seq_len=64,
+                         device="cpu")
+        log: list[int] = []
+        g.graphs = {bs: _Replays(log, bs) for bs in sizes}
+        g.outputs = {bs: torch.zeros(bs, 3) for bs in sizes}
+        pair.append(g)
+        logs.append(log)
+    by_run, by_load = pair
+    gen = torch.Generator().manual_seed(0)
+    for n in [3, 8, 1, 5, 2, 4]:
+        def junk(shape, dtype):  # a host buffer: the step's rows, then junk
+            return torch.randint(1, 50, shape, generator=gen, dtype=dtype)
+
+        ids, pos, slots = (junk((rows,), torch.int64) for _ in range(3))
+        lens, tables = junk((rows,), torch.int32), junk((rows, width), torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=slots[:n].clone(), query_start_loc=torch.arange(n + 1),
+            seq_lens=lens[:n].clone(), block_tables=tables[:n].clone(), num_decodes=n,
+            max_query_len=1, max_seq_len=64, query_lens_cpu=[1] * n, seq_lens_cpu=[64] * n)
+        by_run.run(ids[:n].clone(), pos[:n].clone(), meta)
+        loaded = by_load.load(n, ids, pos, slots, lens, tables)
+        assert torch.equal(loaded, ids[:n])
+        by_load.replay(n)
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables"):
+            assert torch.equal(getattr(by_load, name), getattr(by_run, name)), (n, name)
+        bs = by_load.padded_size(n)  # the rows the replayed graph reads past the step's
+        assert by_load.seq_lens[n:bs].eq(1).all() and by_load.input_ids[n:bs].eq(0).all(), n
+    assert logs[0] == logs[1] == [4, 8, 2, 8, 2, 4]
+    with pytest.raises(ValueError, match="wide"):
+        by_load.load(2, ids, pos, slots, lens, torch.zeros(rows, width + 1, dtype=torch.int32))
