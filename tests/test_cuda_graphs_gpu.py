@@ -44,8 +44,9 @@ def host_buffers(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, 
     past the step hold junk a load must not read), tables `width` wide."""
     n = ids.shape[0]
 
-    def buf(x: torch.Tensor, shape) -> torch.Tensor:
-        out = torch.full(shape, 7, dtype=x.dtype).pin_memory()
+    def buf(x: torch.Tensor, shape: int | tuple[int, int]) -> torch.Tensor:
+        out = torch.full(shape if isinstance(shape, tuple) else (shape,), 7,
+                         dtype=x.dtype).pin_memory()
         out[tuple(slice(0, d) for d in x.shape)] = x.cpu()
         return out
 
