@@ -286,14 +286,17 @@ def small_state(small_compiler, spec: str = '["yes", "no", "maybe"]'):
 
 
 def test_terminated_is_the_matchers_after_every_accept(small_compiler):
-    """GrammarState.terminated (kept on the host) is what the matcher says after each accepted
-    or rejected token."""
+    """GrammarState.terminated (kept on the host; the matcher is asked only after a stop
+    token) is what the matcher says after each accepted or rejected token: EOS before the
+    document is complete is rejected and ends nothing, EOS after it ends the grammar."""
     vocab, _ = small_compiler
     st = small_state(small_compiler)
     assert st.terminated is False and st.matcher.is_terminated() is False
-    for tok in [*vocab.ids("may"), vocab.ids("x")[0], *vocab.ids("be"), 0]:
-        st.accept(tok)
+    oks = []
+    for tok in [*vocab.ids("may"), 0, vocab.ids("x")[0], *vocab.ids("be"), 0]:
+        oks.append(st.accept(tok))
         assert st.terminated == st.matcher.is_terminated()
+    assert oks == [True, True, True, False, False, True, True, True]
     assert st.terminated  # the document, then EOS
 
 
