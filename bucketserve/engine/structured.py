@@ -8,7 +8,8 @@ grammar:
   grammar is compiled (`GrammarState.ready`) and admits the others meanwhile.
 - `GrammarState` (one per sequence) holds the xgrammar GrammarMatcher; it accepts every token
   the sequence samples (`accept`) and says when the grammar has ended (`terminated`: asked of
-  the matcher once per accepted token and kept, since only `accept` changes the matcher).
+  the matcher when it accepts a stop token, the only token that ends it, and kept, since only
+  `accept` changes the matcher).
   Output tokens survive a preemption, and so does the matcher: recompute needs nothing from it.
 - `check_guided` builds the xgrammar Grammar without the tokenizer (fast): the server calls it
   in the request path so that a schema xgrammar rejects is a 400 before any token.
