@@ -44,15 +44,14 @@ def host_buffers(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, 
     past the step hold junk a load must not read), tables `width` wide."""
     n = ids.shape[0]
 
-    def buf(x: torch.Tensor, shape: int | tuple[int, int]) -> torch.Tensor:
-        out = torch.full(shape if isinstance(shape, tuple) else (shape,), 7,
-                         dtype=x.dtype).pin_memory()
+    def buf(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        out = torch.full(shape, 7, dtype=x.dtype).pin_memory()
         out[tuple(slice(0, d) for d in x.shape)] = x.cpu()
         return out
 
     assert rows > n
-    return (buf(ids, rows), buf(pos, rows), buf(meta.slot_mapping, rows),
-            buf(meta.seq_lens, rows), buf(meta.block_tables, (rows, width)))
+    return (buf(ids, (rows,)), buf(pos, (rows,)), buf(meta.slot_mapping, (rows,)),
+            buf(meta.seq_lens, (rows,)), buf(meta.block_tables, (rows, width)))
 
 
 @needs_cuda
