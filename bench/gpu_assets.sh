@@ -30,14 +30,16 @@ version() { $PY -m pip show "$1" 2>/dev/null | sed -n 's/^Version: //p' || true;
 pkgs=""
 for p in fastapi starlette annotated-doc uvicorn httptools sse-starlette pydantic pydantic_core \
          annotated-types typing-inspection pyzmq msgspec gguf xgrammar apache-tvm-ffi openai jiter \
-         distro sniffio jsonschema jsonschema-specifications referencing rpds-py opentelemetry-api; do
+         distro sniffio jsonschema jsonschema-specifications referencing rpds-py opentelemetry-api \
+         llguidance; do
   v=$(version $p)
   if [ -z "$v" ]; then echo "skipped (not in $PY's environment): $p"; continue; fi
   pkgs="$pkgs $p==$v"
 done
 rm -f $D/wheels-ours/*.whl
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --abi cp312 --abi abi3 --abi none --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d $D/wheels-ours $pkgs
 $PY - "$D/smollm2-tok" <<'EOF'
 import importlib.util, sys

@@ -11,11 +11,13 @@ those parts of the real engine (the default model on the CPU, overlapped schedul
 detokenization as in the server's core), per step, after every sequence has reached decode:
 
   resolve          LLMEngine._resolve (the held one and any other)
-  accept           the guided rows' accepts inside it (_accept_guided)
+  accept           the guided rows' accepts inside it, on this thread (_accept_guided; since
+                   the accepts moved to the fill thread, _split_accepts: the stop tokens')
   start_masks      handing the mask fill to its thread, inside it (LLMEngine._start_masks)
   schedule_ahead   LLMEngine._schedule_ahead: on_launched, the schedule and prepare_forward
   prepare_forward  ModelRunner.prepare_forward (StepInputs.fill and the path)
   schedule         Scheduler.schedule
+  fill_wait        waiting for the started fill (GrammarMasks._take_pending, in the sampling)
   step             the whole engine step (the model's forward included: CPU-bound here)
 
 Run it with each code on the path to compare a change of the host work:
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15, help="timed steps")
     ap.add_argument("--warmup", type=int, default=6, help="untimed steps first (the prefills)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--backend", default="xgrammar", help="[structured] backend")
     args = ap.parse_args()
 
     import bucketserve.engine.llm_engine as le
@@ -58,7 +61,8 @@ def main() -> None:
         path = os.path.join(d, "buckets.toml")
         with open(path, "w") as f:
             f.write(f"[scheduler]\nmax_running = {args.rows}\nasync_scheduling = true\n"
-                    "[kv_cache]\ncpu_memory_gib = 2\nprefix_caching = false\n")
+                    "[kv_cache]\ncpu_memory_gib = 2\nprefix_caching = false\n"
+                    f"[structured]\nbackend = \"{args.backend}\"\n")
         eng = le.LLMEngine(loaded, load_buckets(path, max_model_len=loaded.max_model_len), "cpu",
                            async_scheduling=True)
     guided = GuidedDecoding("json", json.dumps(SCHEMA))
@@ -85,6 +89,10 @@ def main() -> None:
     eng.runner.prepare_forward = timed(eng.runner.prepare_forward, "prepare_forward")
     eng.scheduler.schedule = timed(eng.scheduler.schedule, "schedule")
     le._accept_guided = timed(le._accept_guided, "accept")
+    if hasattr(le, "_split_accepts"):  # (the stop tokens' accepts; the rest on the fill thread)
+        le._split_accepts = timed(le._split_accepts, "accept")
+    masks = eng.runner.sampler._grammar_masks()
+    masks._take_pending = timed(masks._take_pending, "fill_wait")
     step = timed(eng.step_news, "step")
     for _ in range(args.warmup):
         step()
@@ -93,6 +101,7 @@ def main() -> None:
         step()
     per = {k: round(v / args.steps * 1e3, 3) for k, v in sorted(spent.items(), key=lambda x: -x[1])}
     report = {"rows": args.rows, "guided": args.rows // 2, "steps": args.steps,
+              "backend": args.backend,
               "schedule_ahead": eng.schedule_ahead, "running": eng.scheduler.num_running,
               "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or
               platform.machine(), "ms_per_step": per}

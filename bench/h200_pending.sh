@@ -63,6 +63,7 @@ structured)
   [ -d $M ] || python3 bench/make_random_model.py --shape llama-1b --tok "$TOK" --out $M \
     --device cuda > "$O/make.log" 2>&1 || { tail "$O/make.log"; exit 1; }
   printf '[kv_cache]\nprefix_caching = false\n' > /tmp/ours.toml
+  printf '[kv_cache]\nprefix_caching = false\n[structured]\nbackend = "llguidance"\n' > /tmp/ours_llg.toml
   # the host around each run: load, CPU steal (jiffies, cumulative) and bucketserve
   # processes left from an earlier run (schema runs varied 31-40k tok/s between servers)
   host() { echo "host $1: load $(cut -d' ' -f1-3 /proc/loadavg) steal $(awk '/^cpu /{print $9}' /proc/stat) left $(pgrep -fc 'bucketserve.server|bucketserve-' || true)"; }
@@ -78,7 +79,7 @@ structured)
       timeout "${T_RUN:-150}" python3 "$R/bench/structured_gpu.py" \
       --repeats "$reps" --out "$O/structured_$tag.json" --base-url http://127.0.0.1:8200 \
       --server-cmd "python3 -m $mod serve --model $M --embedding-model none \
-      --device cuda --port 8200 --buckets /tmp/ours.toml" > "$O/server_$tag.log" 2>&1)
+      --device cuda --port 8200 --buckets ${TOML:-/tmp/ours.toml}" > "$O/server_$tag.log" 2>&1)
     [ -z "$trace" ] || head -45 "$O/trace_$tag.json.gz.txt" 2>/dev/null | cut -c1-200
     host after
     grep -h "tok_s_ratio\|^plain:\|core loop" "$O/server_$tag.log" | cut -c1-300
@@ -91,7 +92,8 @@ structured)
   # FILL_THREADS xgrammar threads (default 2); P: the tree, the engine core and the API workers
   # on the cores AFFINITY names (default 0-5/6-15); X: E, T (default 4) and P at once; R, Q: B
   # and S, traced (one untimed run each); J, I: B and S with the core's GIL switch interval at
-  # SWITCH_US microseconds (default 200; Python's is 5,000)
+  # SWITCH_US microseconds (default 200; Python's is 5,000); L: the tree with the llguidance
+  # backend ([structured] backend = "llguidance")
   fill=BUCKETSERVE_OVERLAP_FILL sw=BUCKETSERVE_SWITCH_INTERVAL_US
   for run in ${ORDER:-A1 B1 B2 A2}; do
     case $run in
@@ -108,6 +110,7 @@ structured)
       Q*) one "$run" "$R" $fill=3 TRACE=1 ;;
       J*) one "$run" "$R" $sw="${SWITCH_US:-200}" ;;
       I*) one "$run" "$R" $fill=3 $sw="${SWITCH_US:-200}" ;;
+      L*) TOML=/tmp/ours_llg.toml one "$run" "$R" ;;
       *) one "$run" "$R" ;;
     esac
   done

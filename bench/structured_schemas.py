@@ -10,6 +10,7 @@ Run: PYTHONPATH=$PWD python bench/structured_schemas.py [--every K] [--async-sch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -57,10 +58,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--every", type=int, default=1)
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--backend", default="xgrammar", help="[structured] backend")
     args = ap.parse_args()
     loaded = load_model("smollm2-135m-instruct", device="cpu")
-    engine = LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), "cpu",
-                       async_scheduling=args.async_scheduling)
+    buckets = dataclasses.replace(load_buckets(None, max_model_len=loaded.max_model_len),
+                                  structured_backend=args.backend)
+    engine = LLMEngine(loaded, buckets, "cpu", async_scheduling=args.async_scheduling)
     schemas = load_schemas(args.every)
     t0 = time.perf_counter()
     results = run(engine, schemas)

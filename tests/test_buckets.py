@@ -45,6 +45,7 @@ DOCUMENTED_DEFAULTS = {
                   "fused_kernels": "auto"},
     "cpu": {"isa": "auto", "gemm": "auto", "threads": "auto", "c_kernels": True,
             "prefill_attention": "auto"},
+    "structured": {"backend": "xgrammar"},
 }
 
 

@@ -3,6 +3,7 @@ default model (SmolLM2-135M, CPU), synchronous and overlapped scheduling."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from concurrent.futures import Future
@@ -30,13 +31,17 @@ def loaded():
 
 
 @pytest.fixture(scope="module", params=["sync", "overlapped", "overlapped_fill",
-                                        "overlapped_early_fill", "overlapped_ahead"])
+                                        "overlapped_early_fill", "overlapped_ahead",
+                                        "overlapped_ahead_llguidance", "sync_llguidance"])
 def engine(request, loaded):
-    eng = LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), "cpu",
-                    async_scheduling=request.param != "sync")
-    eng.overlap_fill = request.param.endswith(("_fill", "_ahead"))
-    eng.early_fill = request.param == "overlapped_early_fill"
-    eng.schedule_ahead = request.param == "overlapped_ahead"
+    buckets = load_buckets(None, max_model_len=loaded.max_model_len)
+    mode, _, backend = request.param.partition("_llguidance")
+    if request.param.endswith("_llguidance"):
+        buckets = dataclasses.replace(buckets, structured_backend="llguidance")
+    eng = LLMEngine(loaded, buckets, "cpu", async_scheduling=mode != "sync")
+    eng.overlap_fill = mode.endswith(("_fill", "_ahead"))
+    eng.early_fill = mode == "overlapped_early_fill"
+    eng.schedule_ahead = mode == "overlapped_ahead"
     return eng
 
 
@@ -109,8 +114,10 @@ def test_json_never_holds_a_raw_control_character(engine):
                 if len(tok.token_bytes(i)) == 1 and tok.token_bytes(i)[0] < 0x20]
     assert len(controls) > 10
     p = prompt(engine, "Describe a person as JSON.")
+    # (bounded, so that either backend's document ends inside max_tokens)
     for schema in (PERSON, {"type": "object", "properties": {
-            "names": {"type": "array", "items": {"type": "string", "minLength": 3}}},
+            "names": {"type": "array", "items": {"type": "string", "minLength": 3,
+                                                 "maxLength": 16}, "maxItems": 3}},
             "required": ["names"]}):
         out = engine.generate([p], SamplingParams(
             max_tokens=80, temperature=0, logit_bias={t: 50.0 for t in controls},
@@ -335,6 +342,67 @@ def test_grammar_masks_equal_one_row_at_a_time(small_compiler, fill_threads, mon
             states[r].matcher.fill_next_token_bitmask(bitmask, 0)
             xgr.apply_token_bitmask_inplace(want[r:r + 1], bitmask)
         assert torch.equal(got, want), step
+
+
+def test_llguidance_and_xgrammar_rows_are_masked_in_one_step(loaded):
+    """The llguidance backend: a step whose rows run on both libraries (JSON schemas on
+    llguidance, an EBNF grammar on xgrammar) masks each row as its own library masks it alone,
+    whether the fill runs in the sampling or was started on the fill thread, with several
+    rows of a library or one. llguidance's grammar ends at the document's closing brace
+    (nothing but EOS can follow), and a spec it cannot build fails that request alone."""
+    import numpy as np
+    import xgrammar as xgr
+
+    from bucketserve.engine.structured import GrammarCompiler, GrammarMasks
+
+    tok = loaded.tokenizer
+    vocab = loaded.config.vocab_size
+    compiler = GrammarCompiler(tok, vocab, threads=1, backend="llguidance")
+    schema = GuidedDecoding("json", json.dumps(PERSON))
+    specs = [schema] * 4 + [GuidedDecoding("grammar", 'root ::= "yes" | "no"')]
+    states = [compiler.state(g) for g in specs]
+    for st in states:
+        st.future.result()
+        assert st.ready() and st.error is None
+    assert [st.llguidance for st in states] == [True] * 4 + [False]
+    texts = ["", '{"name":"Jo', '{"name":"Jo","age":3', '{"name":"Jo","age":3,"tags":["a"', ""]
+    for st, text in zip(states, texts, strict=True):
+        for t in tok.encode(text, add_special_tokens=False):
+            assert st.accept(t)
+    masks = GrammarMasks()
+    for step, (rows, started) in enumerate([([0, 1, 2, 3, 4], False), ([0, 1, 2, 3, 4], True),
+                                            ([1, 4], True), ([2], False), ([3, 4], False)]):
+        logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(step))
+        got = logits.clone()
+        if started:
+            masks.start(rows, [states[r] for r in rows], 5, vocab, torch.device("cpu"))
+        masks.apply(got, rows, [states[r] for r in rows])
+        want = logits.clone()
+        for r in rows:
+            bitmask = xgr.allocate_token_bitmask(1, vocab)
+            if states[r].llguidance:
+                states[r].matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.shape[1] * 4)
+            else:
+                states[r].matcher.fill_next_token_bitmask(bitmask, 0)
+            xgr.apply_token_bitmask_inplace(want[r:r + 1], bitmask)
+        assert torch.equal(got, want), step
+        allowed = np.isfinite(got[rows].numpy()).sum(axis=1)
+        assert (allowed > 0).all() and (allowed < vocab).all(), step  # each row masked
+    # the document's last token ends llguidance's grammar (no EOS needed); the EBNF row's
+    # ends only with EOS, as xgrammar's do
+    done = states[2]
+    for t in tok.encode(',"tags":[]}', add_special_tokens=False):
+        assert not done.terminated
+        assert done.accept(t)
+    assert done.terminated
+    for t in tok.encode("yes", add_special_tokens=False):
+        assert states[4].accept(t)
+    assert not states[4].terminated
+    assert states[4].accept(sorted(tok.eos_token_ids)[0]) and states[4].terminated
+    bad = compiler.state(GuidedDecoding("regex", "[0-9"))
+    with pytest.raises(Exception, match="regex|parse|unclosed|bracket"):
+        bad.future.result()
+    assert bad.ready() and "could not be compiled" in bad.error
 
 
 def test_grammar_masks_on_a_growing_batch_double_their_buffers(small_compiler):
@@ -746,3 +814,77 @@ def test_overlap_fill_defaults_to_schedule_ahead_and_refuses_a_bad_value(loaded,
         monkeypatch.setenv(OVERLAP_FILL_ENV, bad)
         with pytest.raises(ValueError, match=OVERLAP_FILL_ENV):
             modes()
+
+
+def test_strict_schema_closes_objects_as_xgrammar_reads_them():
+    """For llguidance, every object schema that says nothing of extra keys gets
+    `additionalProperties: false` (xgrammar's strict reading), nested ones too, through
+    properties, items, anyOf and $defs; what a schema says itself is kept; a property named
+    like a keyword is a name, not a keyword; a tuple gets `items: false`."""
+    from bucketserve.engine.structured import strict_schema
+
+    schema = {"type": "object", "properties": {
+        "type": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "items": {"type": "array", "items": {"properties": {"y": {"type": "string"}}}},
+        "open": {"type": "object", "additionalProperties": True},
+        "either": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+        "pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"$ref": "#/$defs/d"}]}},
+        "$defs": {"d": {"type": ["object", "null"], "properties": {}}}}
+    got = json.loads(strict_schema(json.dumps(schema)))
+    assert got["additionalProperties"] is False
+    props = got["properties"]
+    assert props["type"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["type"]["properties"]["x"]
+    assert props["items"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["items"]  # an array
+    assert props["open"]["additionalProperties"] is True
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert props["pair"]["items"] is False
+    assert got["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is not touched
+    for text in ("[1, 2]", "not json", '"a string"'):
+        assert strict_schema(text) == text
+
+
+def test_the_front_end_checks_specs_with_the_cores_backend():
+    """server/structured: a spec is checked by the library the core runs it on (set from
+    the core's info at the front end's start): llguidance's regex errors are 400s naming the
+    field on its backend, and guided_decoding_backend may name that backend (vLLM's
+    "guidance" too) or "auto", nothing else."""
+    from types import SimpleNamespace
+
+    from bucketserve.server import structured as s
+    from bucketserve.server.errors import APIError
+
+    def req(**fields):
+        base = dict.fromkeys(("response_format", "guided_json", "guided_regex", "guided_choice",
+                              "guided_grammar", "structured_outputs",
+                              "guided_decoding_backend", "guided_whitespace_pattern"))
+        return SimpleNamespace(**{**base, **fields})
+
+    try:
+        for backend, ok, refused in (("xgrammar", ("xgrammar", "auto"), ("guidance",)),
+                                     ("llguidance", ("llguidance", "guidance", "auto"),
+                                      ("xgrammar",))):
+            s.set_backend(backend)
+            for name in ok:
+                g = s.guided_decoding(req(guided_choice=["a", "b"], guided_decoding_backend=name))
+                assert g.kind == "choice"
+            for name in refused:
+                with pytest.raises(APIError) as err:
+                    s.guided_decoding(req(guided_choice=["a"], guided_decoding_backend=name))
+                assert err.value.param == "guided_decoding_backend" and backend in str(
+                    err.value.message)
+            with pytest.raises(APIError) as err:
+                s.guided_decoding(req(guided_regex="[0-9"))
+            assert err.value.param == "guided_regex"
+            with pytest.raises(APIError) as err:
+                s.guided_decoding(req(guided_json={"type": "object", "properties": 3}))
+            assert err.value.param == "guided_json"
+            assert s.guided_decoding(req(guided_json={"type": "object"})).kind == "json"
+        # the EBNF kind stays on xgrammar, whatever the backend
+        assert s.guided_decoding(req(guided_grammar='root ::= "a"')).kind == "grammar"
+        with pytest.raises(APIError):
+            s.guided_decoding(req(guided_grammar="root ::= "))
+    finally:
+        s.set_backend("xgrammar")

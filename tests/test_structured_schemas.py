@@ -2,12 +2,16 @@
 max_tokens 200, batched through the in-process engine: every output validates with jsonschema
 and finishes "stop". The full 50 (tests/data/json_schemas.json) take ~130 s on the 2-core dev
 CPU, so they run in bench/structured_schemas.py; here every 5th schema (10), under overlapped
-scheduling (the harder path: each guided step resolves the previous one first)."""
+scheduling (the harder path: each guided step resolves the previous one first), on each
+structured-output backend."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
+
+import pytest
 
 from bucketserve.buckets import load_buckets
 from bucketserve.engine.llm_engine import LLMEngine
@@ -19,10 +23,12 @@ schemas_bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(schemas_bench)
 
 
-def test_sampled_schemas_all_validate_and_stop():
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_sampled_schemas_all_validate_and_stop(backend):
     loaded = load_model("smollm2-135m-instruct", device="cpu")
-    engine = LLMEngine(loaded, load_buckets(None, max_model_len=loaded.max_model_len), "cpu",
-                       async_scheduling=True)
+    buckets = dataclasses.replace(load_buckets(None, max_model_len=loaded.max_model_len),
+                                  structured_backend=backend)
+    engine = LLMEngine(loaded, buckets, "cpu", async_scheduling=True)
     schemas = schemas_bench.load_schemas(every=5)
     assert len(schemas) == 10
     results = schemas_bench.run(engine, schemas, max_tokens=200)

@@ -122,7 +122,10 @@ def engine_line(info: dict[str, str] | None) -> str:
     if info is None:
         return "engine: not reported (no bucketserve_engine_info in the server's /metrics)"
     keys = ("model", "device", "dtype", "quantization", "kv_cache_dtype")
-    return "engine: " + ", ".join(f"{k} {info.get(k, '?')}" for k in keys)
+    line = "engine: " + ", ".join(f"{k} {info.get(k, '?')}" for k in keys)
+    if "structured_backend" in info:  # (servers before it did not say)
+        line += f", structured_backend {info['structured_backend']}"
+    return line
 
 
 def len_inputs(r: dict) -> int:

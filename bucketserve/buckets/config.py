@@ -257,6 +257,8 @@ _kv_cache_dtype = _one_of(KV_CACHE_DTYPES)
 CPU_ISAS = ("auto", "avx512", "avx2", "baseline")
 CPU_GEMMS = ("auto", "onednn", "mkl")
 CPU_PREFILL_ATTENTION = ("auto", "c", "sdpa")
+# [structured] backend: the grammar library of structured output (engine/structured.py)
+STRUCTURED_BACKENDS = ("xgrammar", "llguidance")
 
 
 def _policy(value: Any) -> str:
@@ -316,6 +318,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any], Any], str]]] = {
         "c_kernels": (_bool, "cpu_c_kernels"),
         "prefill_attention": (_one_of(CPU_PREFILL_ATTENTION), "cpu_prefill_attention"),
     },
+    "structured": {"backend": (_one_of(STRUCTURED_BACKENDS), "structured_backend")},
 }
 
 
@@ -394,6 +397,8 @@ class BucketsConfig:
     cpu_threads: int | str = "auto"
     cpu_c_kernels: bool = True
     cpu_prefill_attention: str = "auto"
+    # the grammar library of structured output: "xgrammar" or "llguidance"
+    structured_backend: str = "xgrammar"
     # Where the values came from, for error messages: the user file (or the default file), and
     # the dotted keys the user file set (defaults may be adapted to the model; user values not).
     source: str = field(default="<defaults>", compare=False)

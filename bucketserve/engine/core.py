@@ -277,7 +277,8 @@ def build_engine(options: EngineOptions, faults: FaultPlan | None = None,
         buckets, quantization=options.quantization or buckets.quantization,
         kv_cache_dtype=options.kv_cache_dtype or buckets.kv_cache_dtype,
         cpu_isa=options.cpu_isa or buckets.cpu_isa, cpu_gemm=options.cpu_gemm or buckets.cpu_gemm,
-        cpu_threads=engine_cores if threads == "auto" and engine_cores else threads)
+        cpu_threads=engine_cores if threads == "auto" and engine_cores else threads,
+        structured_backend=options.structured_backend or buckets.structured_backend)
     quant = resolve_quant_plan(device, buckets.quantization, buckets.kv_cache_dtype)
     log.info("%s", quant.describe())
     cpu = None
@@ -312,6 +313,8 @@ def build_engine(options: EngineOptions, faults: FaultPlan | None = None,
             max_tokens=2, temperature=0.0, guided=GuidedDecoding("choice", '["0"]')))
     except Exception as exc:  # noqa: BLE001 - plain requests still work; guided ones will say why
         log.warning("guided decoding warm-up failed: %s: %s", type(exc).__name__, exc)
+    log.info("structured output: %s%s", buckets.structured_backend,
+             " (EBNF grammars on xgrammar)" if buckets.structured_backend == "llguidance" else "")
     log.info("warm-up done in %.2f s; buckets prepared (eager on %s): prefill %s, decode batch sizes %s",
              time.perf_counter() - t1, device, list(buckets.prefill_boundaries),
              buckets.decode_graph_sizes(engine.device.type))

@@ -213,7 +213,8 @@ class LLMEngine:
         tokenizer info from our tokenizer, once per engine)."""
         from bucketserve.engine.structured import GrammarCompiler
 
-        return GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size)
+        return GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size,
+                               backend=self.buckets.structured_backend)
 
     @classmethod
     def from_names(cls, model: str = "smollm2-135m-instruct", buckets_path: str | None = None,
@@ -241,10 +242,12 @@ class LLMEngine:
     def info(self) -> dict[str, str]:
         """What runs, for /metrics (bucketserve_engine_info) and `bucketserve bench`'s report:
         model, device, dtype, quantization ("none" | "fp8") and kv_cache_dtype ("auto" |
-        "fp8"), the last two from the quantization plan resolved at start-up."""
+        "fp8"), those two from the quantization plan resolved at start-up, and
+        structured_backend ("xgrammar" | "llguidance")."""
         return {"model": self.model_name, "device": self.device.type,
                 "dtype": str(next(self.loaded.model.parameters()).dtype).removeprefix("torch."),
-                "quantization": self.quant.weights, "kv_cache_dtype": self.quant.kv_cache}
+                "quantization": self.quant.weights, "kv_cache_dtype": self.quant.kv_cache,
+                "structured_backend": self.buckets.structured_backend}
 
     # ---- requests ----------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ class EngineOptions:
     cpu_isa: str | None = None  # --cpu-isa (None: the TOML's cpu.isa)
     cpu_gemm: str | None = None  # --cpu-gemm (None: the TOML's cpu.gemm)
     cpu_threads: int | None = None  # --cpu-threads (None: the TOML's cpu.threads)
+    structured_backend: str | None = None  # --structured-backend (None: the TOML's)
     # front ends with an encoder on the GPU: the bytes they hold, known at spawn (one front
     # end), or reported by `frontend_gpu_count` workers in `frontend_gpu_dir` before the
     # core sizes its KV pool (engine/kv_budget.py wait_frontend_reports)
@@ -36,4 +37,5 @@ class EngineOptions:
         return cls(model=args.model, device=args.device, dtype=args.dtype,
                    buckets_path=args.buckets, log_level=args.log_level, nvtx=args.nvtx,
                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                   cpu_isa=args.cpu_isa, cpu_gemm=args.cpu_gemm, cpu_threads=args.cpu_threads)
+                   cpu_isa=args.cpu_isa, cpu_gemm=args.cpu_gemm, cpu_threads=args.cpu_threads,
+                   structured_backend=getattr(args, "structured_backend", None))

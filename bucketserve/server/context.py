@@ -10,6 +10,7 @@ from bucketserve.engine.sequence import TokenLogprob
 from bucketserve.server.errors import check_model
 from bucketserve.server.generation import InFlight
 from bucketserve.server.metrics import ServerMetrics
+from bucketserve.server.structured import set_backend
 
 
 @dataclass
@@ -24,6 +25,8 @@ class ServerContext:
         if self.metrics.shared is not None:  # one of several front ends: count across them
             self.engine.stats.on_finished = self.metrics.count_finished
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        # specs are checked by the library the core runs them on
+        set_backend(self.engine.info.get("structured_backend", "xgrammar"))
 
     @property
     def tokenizer(self):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from bucketserve.buckets.config import CPU_GEMMS, CPU_ISAS, QUANTIZATION_MODES
+from bucketserve.buckets.config import CPU_GEMMS, CPU_ISAS, QUANTIZATION_MODES, STRUCTURED_BACKENDS
 from bucketserve.server.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="compute threads of the CPU engine; default: the buckets file's "
                         "cpu.threads (auto: one per engine core)")
+    s.add_argument("--structured-backend", choices=STRUCTURED_BACKENDS, default=None,
+                   help="grammar library of structured output: xgrammar or llguidance "
+                        "(JSON schemas, regexes and choices; EBNF grammars stay on xgrammar); "
+                        "default: the buckets file's structured.backend (xgrammar)")
     s.add_argument("--rerank-model", default=None, metavar="DIR",
                    help="BERT cross-encoder (HF BertForSequenceClassification directory) for "
                         "/v1/rerank and /v1/score; default: none")

@@ -6,11 +6,14 @@ Fields (any one of them per request; two at once is a 400 naming the second):
 - vLLM's `guided_json` (a schema, object or JSON text), `guided_regex`, `guided_choice` (a
   list of strings), `guided_grammar` (EBNF), and their newer form `structured_outputs`:
   {"json" | "regex" | "choice" | "grammar": ...};
-- `guided_decoding_backend` may only name xgrammar (or "auto"); `guided_whitespace_pattern`
-  is refused (the grammar's whitespace is fixed: compact JSON).
-Every grammar is built by xgrammar here, in the request path (engine/structured.check_guided:
-no tokenizer needed, milliseconds), so a spec it rejects is a 400 naming the field before
-any token is generated; the engine compiles it again against the vocabulary (cached).
+- `guided_decoding_backend` may only name the server's backend ("xgrammar", or "llguidance"
+  / vLLM's "guidance") or "auto"; `guided_whitespace_pattern` is refused (the grammar's
+  whitespace is fixed: compact JSON).
+Every grammar is built here, in the request path, by the library the engine will run it on
+(engine/structured.check_guided: no tokenizer needed, milliseconds; the backend is the
+core's, `set_backend` at the front end's start), so a spec it rejects is a 400 naming the
+field before any token is generated; the engine compiles it again against the vocabulary
+(cached).
 """
 
 from __future__ import annotations
@@ -23,6 +26,14 @@ from bucketserve.engine.structured import GrammarError, check_guided
 from bucketserve.server.errors import invalid_request
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is refused
+_BACKEND = ["xgrammar"]  # the core's [structured] backend (set_backend)
+_BACKEND_NAMES = {"xgrammar": ("xgrammar",), "llguidance": ("llguidance", "guidance")}
+
+
+def set_backend(backend: str) -> None:
+    """The grammar library the engine core runs ("xgrammar" or "llguidance"): the front
+    end checks specs with it (ServerContext, from the core's info)."""
+    _BACKEND[0] = backend if backend in _BACKEND_NAMES else "xgrammar"
 _STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
@@ -99,9 +110,9 @@ def guided_decoding(req: Any) -> GuidedDecoding | None:
             raise invalid_request(f"structured_outputs.{unknown[0]} is not supported; use one "
                                   f"of {', '.join(_STRUCTURED_KEYS)}", p)
         found += [(p, _spec(k, v, p)) for k, v in so.items() if v is not None]
-    if req.guided_decoding_backend not in (None, "xgrammar", "auto"):
-        raise invalid_request("guided_decoding_backend: this server decodes with xgrammar only",
-                              "guided_decoding_backend")
+    if req.guided_decoding_backend not in (None, "auto", *_BACKEND_NAMES[_BACKEND[0]]):
+        raise invalid_request(f"guided_decoding_backend: this server decodes with "
+                              f"{_BACKEND[0]} only", "guided_decoding_backend")
     if req.guided_whitespace_pattern is not None:
         raise invalid_request("guided_whitespace_pattern is not supported: JSON output is "
                               "compact (no whitespace between tokens)", "guided_whitespace_pattern")
@@ -117,7 +128,7 @@ def guided_decoding(req: Any) -> GuidedDecoding | None:
 
 def check_built(g: GuidedDecoding, param: str) -> None:
     try:
-        check_guided(g)
+        check_guided(g, _BACKEND[0])
     except GrammarError as exc:
         raise invalid_request(f"{param}: the grammar cannot be built: {exc}", param) from exc
     except RecursionError as exc:
