@@ -17,10 +17,10 @@ pause does to the main thread (`main_thread_beside_xgrammar_compiles`: the share
 not run, its longest stall, stalls over 1 ms a second; `main_thread_alone`: the same without
 the compile thread). The engine compiles in its core process, whose loop needs the GIL for
 every step. `xgrammar_fill_on_a_thread`: the same for the batch fill (in_string states), at
-Python's default switch interval and at 0.1 ms, with the fill's ms per call on its thread. llguidance is not a dependency of the project: install it aside
-(`pip install --target /tmp/llg llguidance`) and put that directory on PYTHONPATH.
+Python's default switch interval and at 0.1 ms, with the fill's ms per call on its thread. llguidance is a dependency of the project since
+it became the second backend ([structured] backend = "llguidance").
 
-    PYTHONPATH=/tmp/llg python bench/grammar_fill_cpu.py --tok DIR [--threads 1] [--calls 100]
+    PYTHONPATH=$PWD python bench/grammar_fill_cpu.py --tok DIR [--threads 1] [--calls 100]
 """
 
 from __future__ import annotations
