@@ -373,8 +373,9 @@ class GrammarState:
         return True
 
     def accept(self, token: int) -> bool:
-        """Advances the matcher by a sampled token; False when the grammar rejects it (the
-        matcher is then unchanged). Updates `terminated`."""
+        """Advances the matcher by a sampled token; False when the grammar rejects it
+        (xgrammar's matcher is then unchanged; llguidance's stays in its error state).
+        Updates `terminated`."""
         matcher = self.matcher
         if self.llguidance:
             # llguidance's matcher stops as soon as nothing but a stop token can follow (a
