@@ -58,7 +58,7 @@ class EngineStatsCollector(Collector):
             labels = sorted(info)
             family = GaugeMetricFamily(
                 "bucketserve_engine_info", "What the engine runs (always 1): model, device, "
-                "dtype, quantization, kv_cache_dtype.", labels=labels)
+                "dtype, quantization, kv_cache_dtype, structured_backend.", labels=labels)
             family.add_metric([info[k] for k in labels], 1)
             yield family
         snap = self.get_stats().snapshot()
