@@ -64,11 +64,13 @@ class GrammarError(ValueError):
 
 
 def _choice_ebnf(spec: str) -> str:
-    choices = json.loads(spec)
-    if (not isinstance(choices, list) or not choices
-            or not all(isinstance(c, str) and c for c in choices)):
-        raise GrammarError("guided_choice must be a non-empty list of non-empty strings")
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in _choices(spec))
+
+
+def _grammar_error(exc: Exception) -> GrammarError:
+    """A library's exception as a GrammarError: its message's first line."""
+    text = str(exc).strip()
+    return GrammarError(text.splitlines()[0] if text else type(exc).__name__)
 
 
 def build_grammar(g: GuidedDecoding) -> xgr.Grammar:
@@ -88,8 +90,7 @@ def build_grammar(g: GuidedDecoding) -> xgr.Grammar:
     except GrammarError:
         raise
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own
-        raise GrammarError(str(exc).strip().splitlines()[0] if str(exc).strip()
-                           else type(exc).__name__) from exc
+        raise _grammar_error(exc) from exc
     raise GrammarError(f"unknown guided decoding kind {g.kind!r}; one of {', '.join(KINDS)}")
 
 
@@ -186,8 +187,7 @@ class LLGuidance:
         except GrammarError:
             raise
         except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError / its own
-            raise GrammarError(str(exc).strip().splitlines()[0] if str(exc).strip()
-                               else type(exc).__name__) from exc
+            raise _grammar_error(exc) from exc
         matcher = self.lib.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error().strip().splitlines()[0])
@@ -298,7 +298,6 @@ class GrammarCompiler:
         # a quarter of the cores, 2 to 4: a burst of new schemas compiles in parallel without
         # taking the cores the engine loop and the front ends run on
         threads = threads or min(4, max(2, (os.cpu_count() or 2) // 4))
-        self.backend = backend
         self.info = tokenizer_info(tokenizer, vocab_size)
         self.vocab_size = self.info.vocab_size
         self.json_mask = json_text_mask(tokenizer, self.vocab_size)
@@ -562,11 +561,11 @@ class GrammarMasks:
     def apply(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
         """logits [B, V] in place: each row in `rows` keeps only the tokens its matcher allows
         (a row whose grammar has ended is left alone: its token is dropped)."""
-        matchers = [st.matcher for st in states if not st.terminated]
-        if not matchers:
+        live = sum(not st.terminated for st in states)
+        if not live:
             self._take_pending()  # (none is started for rows that all ended)
             return
-        if len(matchers) != len(rows):
+        if live != len(rows):
             rows = [r for r, st in zip(rows, states, strict=True) if not st.terminated]
             states = [st for st in states if not st.terminated]
         b, vocab = logits.shape
