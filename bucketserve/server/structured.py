@@ -26,6 +26,7 @@ from bucketserve.engine.structured import GrammarError, check_guided
 from bucketserve.server.errors import invalid_request
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is refused
+_STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 _BACKEND = ["xgrammar"]  # the core's [structured] backend (set_backend)
 _BACKEND_NAMES = {"xgrammar": ("xgrammar",), "llguidance": ("llguidance", "guidance")}
 
@@ -34,7 +35,6 @@ def set_backend(backend: str) -> None:
     """The grammar library the engine core runs ("xgrammar" or "llguidance"): the front
     end checks specs with it (ServerContext, from the core's info)."""
     _BACKEND[0] = backend if backend in _BACKEND_NAMES else "xgrammar"
-_STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
 def _schema_text(value: Any, param: str) -> str:
