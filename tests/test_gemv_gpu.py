@@ -29,7 +29,8 @@ def test_gemv_matches_fp32_reference_for_every_candidate(dtype, n, k):
         assert y.shape == (1, n) and y.dtype == dtype
         err = (y.float() - ref).abs().max().item()
         assert err <= 1e-2 * scale, (cfg, err, scale)
-        assert torch.equal(triton_gemv.gemv(x, w, config=cfg), y), cfg  # no atomics: same bits
+        # (split-K configs add their partials in split order: the same bits too)
+        assert torch.equal(triton_gemv.gemv(x, w, config=cfg), y), cfg
     # a strided weight view (rows of a fused projection) and a flat input
     sub = w[: n // 2 + 1]
     y = triton_gemv.gemv(x.view(-1), sub)
@@ -267,3 +268,48 @@ def test_fp8_projections_take_the_tiles_where_chosen(monkeypatch):
     assert all(sorted(r["bands"]) == [128, 256, 512, 1024] for r in rows), rows
     fp8[0].tiles = {256: None, 512: triton_fp8_gemm.CONFIGS[4]}
     torch.testing.assert_close(fp8[0](x).float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_split_k_products_replay_from_a_cuda_graph(m):
+    """A split-K FP8 product (gemv_fp8 for one row, rows_fp8 for more) captured in a CUDA
+    graph: every replay, with new inputs copied in, gives the W8A8 product of those inputs,
+    and the counters are at rest after each (a counter left over would make the next replay
+    skip its stores and leave the previous output)."""
+    pytest.importorskip("triton")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    from bucketserve.kernels import triton_gemv
+    from bucketserve.kernels.fp8 import quantize_fp8_per_channel
+    from bucketserve.kernels.fp8_ops import quantize_rows
+
+    n, k = 4096, 14336
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    w, ws = quantize_fp8_per_channel(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+    q, s = quantize_rows(torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16))
+    cfg = (8, 512, 4, 3, 4) if m == 1 else (32, 256, 4, 3, 1, 4)
+    out = torch.empty(m, n, device="cuda", dtype=torch.float32)
+
+    def run():
+        if m == 1:
+            triton_gemv.gemv_fp8(q, s, w, ws, torch.float32, out=out, config=cfg)
+        else:
+            triton_gemv.rows_fp8(q, s, w, ws, torch.float32, config=cfg, out=out)
+
+    run()  # sizes the scratch outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    locks = triton_gemv._SCRATCH[out.device][-1][1]
+    for i in range(5):
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        q2, s2 = quantize_rows(x)
+        q.copy_(q2)
+        s.copy_(s2)
+        g.replay()
+        torch.cuda.synchronize()
+        ref = (q.float() * s) @ (w.float() * ws[:, None]).t()
+        err = (out - ref).abs().max().item()
+        assert err <= 1e-3 * ref.abs().max().item() + 1e-6, (i, err)
+        assert int(locks.count_nonzero()) == 0, i

@@ -177,3 +177,88 @@ def test_an_fp8_projection_with_tiles_runs_its_row_bands_through_them():
         torch.testing.assert_close(lin(x), want)  # band 256: no config
         torch.testing.assert_close(lin(x[:64]), want[:64])  # 64 rows: not this path
         assert spy.call_count == 1
+
+
+def _counters_at_rest(device: str = "cpu") -> None:
+    """Every split launch's last program set its block counters back to zero."""
+    from bucketserve.kernels import triton_gemv
+
+    kept = triton_gemv._SCRATCH.get(torch.device(device))
+    assert kept, "no split scratch was made: the split path did not run"
+    assert int(kept[-1][1].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n, k, config", [(37, 300, (8, 128, 4, 2, 2)),
+                                          (64, 512, (16, 128, 4, 3, 4)),
+                                          # 3 tiles of K over 4 splits: the last split is empty
+                                          (20, 384, (8, 128, 4, 3, 4))])
+def test_split_k_gemv_matches_a_float32_reference(dtype, n, k, config):
+    """The GEMV with K split over a second grid axis (partials in the scratch, the last
+    program of each output block adds them) gives the unsplit kernel's result, twice in a row
+    (the counters are back at zero after each launch: a counter left over would make the
+    second launch skip its stores), and the same bits both times."""
+    from triton_interp import interpreted_triton
+
+    interpreted_triton()
+    from bucketserve.kernels import triton_gemv
+
+    gen = torch.Generator().manual_seed(n * k + 1)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    want = x.float() @ w.float().t()
+    tol = 1e-4 if dtype == torch.float32 else 5e-3
+    first = triton_gemv.gemv(x, w, config=config)
+    torch.testing.assert_close(first.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+    _counters_at_rest()
+    again = triton_gemv.gemv(x, w, config=config)
+    assert torch.equal(first, again)
+    _counters_at_rest()
+
+
+@pytest.mark.parametrize("m, n, k, config", [(1, 37, 300, (8, 128, 4, 2, 3)),
+                                             (3, 37, 300, (16, 128, 4, 4, 0, 2)),
+                                             (16, 64, 512, (32, 128, 4, 4, 1, 4)),
+                                             (64, 33, 384, (32, 128, 4, 3, 0, 4))])
+def test_split_k_fp8_products_match_the_w8a8_reference(m, n, k, config):
+    """gemv_fp8 (one row) and rows_fp8 (2..64 rows) with K split: the W8A8 product of
+    kernels/fp8_ops.fp8_linear, for uneven N and K and a split with no K tile, with the
+    counters at rest after each launch and the same result from a second launch."""
+    from triton_interp import interpreted_triton
+
+    interpreted_triton()
+    from bucketserve.kernels import triton_gemv
+    from bucketserve.kernels.fp8 import quantize_fp8_per_channel
+    from bucketserve.kernels.fp8_ops import fp8_linear, quantize_rows_torch
+
+    gen = torch.Generator().manual_seed(m * n + k + 1)
+    w, ws = quantize_fp8_per_channel(torch.randn(n, k, generator=gen) * 0.05)
+    q, s = quantize_rows_torch(torch.randn(m, k, generator=gen))
+    want = fp8_linear((q, s), w, ws, None, torch.float32)
+    if m == 1:
+        def run():
+            return triton_gemv.gemv_fp8(q, s, w, ws, torch.float32, config=config)
+    else:
+        def run():
+            return triton_gemv.rows_fp8(q, s, w, ws, torch.float32, config=config)
+    got = run()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    _counters_at_rest()
+    assert torch.equal(run(), got)
+    _counters_at_rest()
+
+
+def test_split_k_candidates_are_timed_only_up_to_their_output_bound():
+    """Split candidates (one element longer than a plain config) are timed only for
+    projections of at most SPLIT_MAX_N outputs, which bounds the scratch; plain ones always."""
+    from bucketserve.kernels import triton_gemv
+
+    cands = triton_gemv.ROW_CANDIDATES
+    split = [c for c in cands if len(c) == 6]
+    assert split and all(c[5] > 1 for c in split)
+    assert triton_gemv._unsplit_above(cands, triton_gemv.SPLIT_MAX_N, 5) == cands
+    assert triton_gemv._unsplit_above(cands, triton_gemv.SPLIT_MAX_N + 1, 5) == [
+        c for c in cands if len(c) == 5]
+    gemv_split = [c for c in triton_gemv.CANDIDATES if len(c) == 5]
+    assert gemv_split and triton_gemv._unsplit_above(
+        triton_gemv.CANDIDATES, 28672, 4) == [c for c in triton_gemv.CANDIDATES if len(c) == 4]
