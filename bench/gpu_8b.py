@@ -481,13 +481,13 @@ def main() -> None:
     ap.add_argument("--fp8-fast-accum", action="store_true",
                     help="FP8 GEMMs with torch._scaled_mm's use_fast_accum "
                          "(kernels/fp8_ops.FAST_ACCUM)")
-    ap.add_argument("--no-split-k", action="store_true",
-                    help="the start-up choice times no split-K GEMV / rows_fp8 config "
-                         "(triton_gemv.SPLIT_MAX_N = 0): the kernels as before split K")
+    ap.add_argument("--split-k", action="store_true",
+                    help="the start-up choice also times the split-K GEMV / rows_fp8 configs "
+                         "(as BUCKETSERVE_SPLIT_K=1 does for the server)")
     args = ap.parse_args()
-    if args.no_split_k:
+    if args.split_k:
         from bucketserve.kernels import triton_gemv
-        triton_gemv.SPLIT_MAX_N = 0
+        triton_gemv.SPLIT_MAX_N = 16384
     if args.fp8_fast_accum:
         from bucketserve.kernels import fp8_ops
         fp8_ops.FAST_ACCUM = True
@@ -513,7 +513,7 @@ def main() -> None:
                   "argv": sys.argv[1:], "blas": args.blas or "default",
                   "fp8_decode": args.fp8_decode or "default",
                   "fp8_rows": not args.no_fp8_rows, "fp8_fast_accum": args.fp8_fast_accum,
-                  "split_k": not args.no_split_k}
+                  "split_k": args.split_k}
     bw = gt.copy_bandwidth_gbs()
     RES["env"]["copy_bw_gbs"] = bw
 

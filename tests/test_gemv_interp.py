@@ -248,11 +248,29 @@ def test_split_k_fp8_products_match_the_w8a8_reference(m, n, k, config):
     _counters_at_rest()
 
 
-def test_split_k_candidates_are_timed_only_up_to_their_output_bound():
+def test_split_k_candidates_are_timed_only_up_to_their_output_bound(monkeypatch):
     """Split candidates (one element longer than a plain config) are timed only for
-    projections of at most SPLIT_MAX_N outputs, which bounds the scratch; plain ones always."""
+    projections of at most SPLIT_MAX_N outputs, which bounds the scratch; plain ones always.
+    Without BUCKETSERVE_SPLIT_K=1 the bound is 0: none is timed."""
+    import importlib
+
     from bucketserve.kernels import triton_gemv
 
+    monkeypatch.delenv(triton_gemv.SPLIT_K_ENV, raising=False)
+    assert importlib.reload(triton_gemv).SPLIT_MAX_N == 0
+    assert triton_gemv._unsplit_above(triton_gemv.ROW_CANDIDATES, 4096, 5) == [
+        c for c in triton_gemv.ROW_CANDIDATES if len(c) == 5]
+    monkeypatch.setenv(triton_gemv.SPLIT_K_ENV, "1")
+    try:
+        assert importlib.reload(triton_gemv).SPLIT_MAX_N == 16384
+        _check_split_bound(triton_gemv)
+    finally:  # the module as the other tests found it
+        monkeypatch.delenv(triton_gemv.SPLIT_K_ENV)
+        importlib.reload(triton_gemv)
+
+
+def _check_split_bound(triton_gemv) -> None:
+    """With the experiment on: split candidates up to SPLIT_MAX_N outputs, none above."""
     cands = triton_gemv.ROW_CANDIDATES
     split = [c for c in cands if len(c) == 6]
     assert split and all(c[5] > 1 for c in split)
