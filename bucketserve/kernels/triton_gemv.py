@@ -17,8 +17,9 @@ counter; the last of them, whichever it is, adds the partials in split order, ap
 scales and stores the block, then sets the counter back to zero. One launch, and the same sum
 order on every run. The scratch and counters belong to the device (`_scratch`): the kernels
 of a stream run one after another. Split candidates are timed only for outputs up to
-SPLIT_MAX_N, which bounds the scratch, and only with BUCKETSERVE_SPLIT_K=1 until a GPU has
-measured them (docs/quantization.md).
+SPLIT_MAX_N, which bounds the scratch, and only with BUCKETSERVE_SPLIT_K=1: on an H100 they
+took 7-8% off down's product at 16-32 rows and nothing beyond noise off o's and qkv's
+(docs/quantization.md), so the grid's parallelism is not what keeps those at twice their bytes.
 
 FP8 (W8A8) projections have the same two paths: `gemv_fp8` for one row and `rows_fp8` for
 2..64 rows (small decode batches, where torch._scaled_mm reads the weights at well below
@@ -155,8 +156,9 @@ DEFAULT_CONFIG = (8, 512, 4, 3)
 CANDIDATES = [(8, 512, 4, 2), (8, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4),
               (16, 512, 4, 3), (16, 1024, 8, 2), (16, 1024, 8, 3), (4, 1024, 4, 3),
               (8, 512, 4, 3, 2), (8, 512, 4, 3, 4), (4, 1024, 4, 3, 4)]
-# an experiment until a GPU has run its tests and measured it: BUCKETSERVE_SPLIT_K=1 times the
-# split candidates at start-up (for outputs up to 16,384); unset, none is timed or chosen
+# an experiment (measured on an H100: 7-8% off down's product at 16-32 rows, noise elsewhere):
+# BUCKETSERVE_SPLIT_K=1 times the split candidates at start-up (for outputs up to 16,384);
+# unset, none is timed or chosen
 SPLIT_K_ENV = "BUCKETSERVE_SPLIT_K"
 SPLIT_MAX_N = 16384 if os.environ.get(SPLIT_K_ENV, "") == "1" else 0
 _LOCKS = 1 << 16  # output blocks a split launch may have (one counter each)
