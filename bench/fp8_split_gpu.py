@@ -18,7 +18,7 @@ from bucketserve.kernels.fp8 import quantize_fp8_per_channel
 
 
 def main() -> None:
-    g.SPLIT_MAX_N = 16384  # what BUCKETSERVE_SPLIT_K=1 sets
+    g.SPLIT_MAX_N = g.SPLIT_OUTPUTS  # what BUCKETSERVE_SPLIT_K=1 sets
     plain_candidates = [c for c in g.ROW_CANDIDATES if len(c) == 5]
     for n, k in ((4096, 14336), (4096, 4096), (6144, 4096)):
         ws, ss = [], []

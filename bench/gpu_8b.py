@@ -487,7 +487,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.split_k:
         from bucketserve.kernels import triton_gemv
-        triton_gemv.SPLIT_MAX_N = 16384
+        triton_gemv.SPLIT_MAX_N = triton_gemv.SPLIT_OUTPUTS
     if args.fp8_fast_accum:
         from bucketserve.kernels import fp8_ops
         fp8_ops.FAST_ACCUM = True

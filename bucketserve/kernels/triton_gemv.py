@@ -160,7 +160,8 @@ CANDIDATES = [(8, 512, 4, 2), (8, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4),
 # BUCKETSERVE_SPLIT_K=1 times the split candidates at start-up (for outputs up to 16,384);
 # unset, none is timed or chosen
 SPLIT_K_ENV = "BUCKETSERVE_SPLIT_K"
-SPLIT_MAX_N = 16384 if os.environ.get(SPLIT_K_ENV, "") == "1" else 0
+SPLIT_OUTPUTS = 16384  # the most outputs a split candidate is timed for (bounds the scratch)
+SPLIT_MAX_N = SPLIT_OUTPUTS if os.environ.get(SPLIT_K_ENV, "") == "1" else 0
 _LOCKS = 1 << 16  # output blocks a split launch may have (one counter each)
 # every scratch a device was given, newest last: a CUDA graph keeps the addresses it captured,
 # so an outgrown scratch is kept, never freed
