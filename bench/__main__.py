@@ -31,7 +31,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "decode_itl_gpu.py", "vllm_itl_peer.py", "cpu_profile.py", "fp8_accuracy_gpu.py",
         "cpu_quant_accuracy.py", "make_random_model.py")),
     ("Kernels", ("attention_gpu.py", "fp8_attention_gpu.py", "fp8_rows_gpu.py", "fp8_split_gpu.py",
-                 "fp8_gemm_gpu.py", "fp8_silu_gpu.py", "gemm_gpu.py", "bert_fused_gpu.py",
+                 "fp8_pdl_gpu.py", "fp8_gemm_gpu.py", "fp8_silu_gpu.py", "gemm_gpu.py", "bert_fused_gpu.py",
                  "cpu_quant_kernels.py")),
     ("Host cost and the front end", (
         "frontend_capacity.py", "frontend_sizing.py", "embeddings_frontend.py",

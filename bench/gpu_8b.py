@@ -484,7 +484,13 @@ def main() -> None:
     ap.add_argument("--split-k", action="store_true",
                     help="the start-up choice also times the split-K GEMV / rows_fp8 configs "
                          "(as BUCKETSERVE_SPLIT_K=1 does for the server)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="the FP8 decode kernels launch with programmatic dependent launch "
+                         "(as BUCKETSERVE_PDL=1 does for the server; kernels/pdl.py)")
     args = ap.parse_args()
+    if args.pdl:
+        from bucketserve.kernels import pdl
+        pdl.ENABLED = True
     if args.split_k:
         from bucketserve.kernels import triton_gemv
         triton_gemv.SPLIT_MAX_N = triton_gemv.SPLIT_OUTPUTS
@@ -513,7 +519,7 @@ def main() -> None:
                   "argv": sys.argv[1:], "blas": args.blas or "default",
                   "fp8_decode": args.fp8_decode or "default",
                   "fp8_rows": not args.no_fp8_rows, "fp8_fast_accum": args.fp8_fast_accum,
-                  "split_k": args.split_k}
+                  "split_k": args.split_k, "pdl": args.pdl}
     bw = gt.copy_bandwidth_gbs()
     RES["env"]["copy_bw_gbs"] = bw
 

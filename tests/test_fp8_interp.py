@@ -211,3 +211,38 @@ def test_two_pass_silu_and_mul_quantization_is_the_one_pass_one(static, scaled):
     if not scaled and not static:
         ref = quantize_rows_torch(silu_and_mul_torch(x))
         assert torch.equal(two[1], ref[1])
+
+
+def test_quantizing_kernels_with_pdl_give_the_same_bits_and_wait_first(monkeypatch):
+    """The activation quantizers launched with programmatic dependent launch (kernels/pdl.py:
+    each program lets the next kernel start, then waits for the one before it before it reads
+    anything) give the codes, scales and residual sums they give without it, and every program
+    waits exactly once: quantize_rows, rms_norm_quant with a residual and deferred scales,
+    silu_and_mul_quant one-pass and chunked."""
+    _interp()
+    from bucketserve.kernels import pdl, triton_fp8
+
+    gen = torch.Generator().manual_seed(11)
+    t, n = 5, 300
+    x = torch.randn(t, 2 * n, generator=gen) * 3
+    h = torch.randn(t, n, generator=gen)
+    r = torch.randn(t, n, generator=gen)
+    w = torch.rand(n, generator=gen) + 0.5
+    sc = (torch.rand(t, 1, generator=gen) + 0.5, torch.rand(n, generator=gen) + 0.5)
+
+    def run():
+        (q1, s1), res = triton_fp8.rms_norm_quant(h, w, 1e-5, r, scales=sc)
+        return [*triton_fp8.quantize_rows(h), q1, s1, res, *triton_fp8.silu_and_mul_quant(x),
+                *triton_fp8.silu_and_mul_quant(x, chunked=(128, 2))]
+
+    plain = run()
+    calls: list[str] = []
+    monkeypatch.setattr(pdl, "launch_args", lambda device: {"PDL": True})
+    monkeypatch.setattr(triton_fp8, "gdc_wait", lambda: calls.append("wait"))
+    monkeypatch.setattr(triton_fp8, "gdc_launch_dependents", lambda: calls.append("launch"))
+    with_pdl = run()
+    for a, b in zip(plain, with_pdl, strict=True):
+        if a.dtype == FP8_DTYPE:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b)
+    assert calls == ["launch", "wait"] * (4 * t)  # four launches of t programs

@@ -280,3 +280,59 @@ def _check_split_bound(triton_gemv) -> None:
     gemv_split = [c for c in triton_gemv.CANDIDATES if len(c) == 5]
     assert gemv_split and triton_gemv._unsplit_above(
         triton_gemv.CANDIDATES, 28672, 4) == [c for c in triton_gemv.CANDIDATES if len(c) == 4]
+
+
+def _pdl_on(monkeypatch, *modules) -> list[str]:
+    """Kernels launched as with BUCKETSERVE_PDL=1 on a Hopper GPU (their PDL constexpr on),
+    with the griddepcontrol calls, which the interpreter cannot run, recorded instead."""
+    from bucketserve.kernels import pdl
+
+    calls: list[str] = []
+    monkeypatch.setattr(pdl, "launch_args", lambda device: {"PDL": True})
+    for mod in modules:
+        monkeypatch.setattr(mod, "gdc_wait", lambda: calls.append("wait"))
+        monkeypatch.setattr(mod, "gdc_launch_dependents", lambda: calls.append("launch"))
+    return calls
+
+
+@pytest.mark.parametrize("m, n, k, config", [(1, 37, 300, (8, 128, 4, 2)),
+                                             (1, 37, 300, (4, 1024, 4, 3)),  # K < BLOCK_K
+                                             (1, 20, 384, (8, 128, 4, 3, 4)),  # an empty split
+                                             (3, 37, 300, (16, 128, 4, 4, 0)),
+                                             (16, 64, 512, (32, 128, 4, 4, 1)),
+                                             (64, 33, 384, (32, 128, 4, 3, 0, 4))])
+def test_pdl_launches_give_the_same_bits_and_wait_once_a_program(monkeypatch, m, n, k, config):
+    """With programmatic dependent launch (kernels/pdl.py) a GEMV / rows_fp8 program reads its
+    first weight slice before it waits for the kernel before it, then the rest as before: the
+    same sums in the same order, so the same bits as without it, for one-row, few-row and split
+    products with uneven K, K under one tile and a split with no tile. Every program signals
+    its dependents and waits exactly once."""
+    from triton_interp import interpreted_triton
+
+    interpreted_triton()
+    from bucketserve.kernels import triton_gemv
+    from bucketserve.kernels.fp8 import quantize_fp8_per_channel
+    from bucketserve.kernels.fp8_ops import quantize_rows_torch
+
+    gen = torch.Generator().manual_seed(m * n * k)
+    w, ws = quantize_fp8_per_channel(torch.randn(n, k, generator=gen) * 0.05)
+    q, s = quantize_rows_torch(torch.randn(m, k, generator=gen))
+    x = torch.randn(1, k, generator=gen)
+    wf = torch.randn(n, k, generator=gen) * 0.05
+
+    def run():
+        if m == 1:
+            return [triton_gemv.gemv_fp8(q, s, w, ws, torch.float32, config=config),
+                    triton_gemv.gemv(x, wf, config=config)]
+        return [triton_gemv.rows_fp8(q, s, w, ws, torch.float32, config=config)]
+
+    plain = run()
+    calls = _pdl_on(monkeypatch, triton_gemv)
+    with_pdl = run()
+    for a, b in zip(plain, with_pdl, strict=True):
+        assert torch.equal(a, b)
+    split = config[4] if m == 1 and len(config) > 4 else config[5] if len(config) > 5 else 1
+    programs = -(-n // config[0]) * split * len(plain)
+    assert calls.count("wait") == calls.count("launch") == programs
+    if split > 1:
+        _counters_at_rest()

@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from bucketserve.kernels import pdl
 from bucketserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 _MAX: tl.constexpr = tl.constexpr(FP8_MAX)
@@ -35,8 +37,18 @@ def _store_quantized(v, row, cols, mask, q_ptr, s_ptr, static_ptr, stride_q,
 
 
 @triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    # (kernels/pdl.py) the next kernel may start now: it waits for this one before it reads
+    # anything this one writes; this one waits for the kernel before it, before any access
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, n_cols,
-                       STATIC: tl.constexpr, BLOCK: tl.constexpr):
+                       STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_start(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -60,8 +72,9 @@ def _load_scaled(ptr, row, cols, mask, stride, rs_ptr, cs_ptr, col0, SCALED: tl.
 def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, static_ptr,
                            rs_ptr, cs_ptr, stride_x, stride_r, stride_q, stride_ro, n_cols, eps,
                            HAS_RESIDUAL: tl.constexpr, STATIC: tl.constexpr,
-                           SCALED: tl.constexpr, BLOCK: tl.constexpr):
+                           SCALED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # triton_fused._rms_norm_kernel's arithmetic, then the quantization of its output row
+    _pdl_start(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -92,8 +105,9 @@ def _silu_mul_row_chunk(x_ptr, row, cols, mask, stride_x, rs_ptr, cs_ptr, n_cols
 @triton.jit
 def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, rs_ptr, cs_ptr, stride_x,
                            stride_q, n_cols, STATIC: tl.constexpr, SCALED: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
     # x [T, 2I] = [gate | up] -> quantized silu(gate) * up, one program per row
+    _pdl_start(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -104,12 +118,14 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, rs_ptr, cs_ptr, stri
 @triton.jit
 def _silu_mul_quant_chunked_kernel(x_ptr, q_ptr, s_ptr, static_ptr, rs_ptr, cs_ptr, stride_x,
                                    stride_q, n_cols, STATIC: tl.constexpr,
-                                   SCALED: tl.constexpr, CHUNK: tl.constexpr):
+                                   SCALED: tl.constexpr, CHUNK: tl.constexpr,
+                                   PDL: tl.constexpr):
     # _silu_mul_quant_kernel over CHUNK columns at a time: a first pass takes the row's
     # largest magnitude, a second computes the chunks again (the row's bytes are then in L2)
     # and stores them quantized. Few registers a program, so many programs share an SM:
     # the one-pass kernel keeps the whole row (2 x 14,336 values at the 8B shape) in
     # registers, one program per SM.
+    _pdl_start(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     if STATIC:
@@ -143,10 +159,10 @@ def _outputs(t: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.
             torch.empty((t, 1), dtype=torch.float32, device=device))
 
 
-def _launch_args(n: int, static_scale: torch.Tensor | None) -> dict:
+def _launch_args(n: int, static_scale: torch.Tensor | None, device: torch.device) -> dict:
     block = triton.next_power_of_2(n)
     return {"STATIC": static_scale is not None, "BLOCK": block,
-            "num_warps": min(16, max(1, block // 256))}
+            "num_warps": min(16, max(1, block // 256)), **pdl.launch_args(device)}
 
 
 def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None
@@ -157,7 +173,8 @@ def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None
     if t:
         assert x.stride(1) == 1
         _quant_rows_kernel[(t,)](x, q, s, static_scale if static_scale is not None else s,
-                                 x.stride(0), q.stride(0), n, **_launch_args(n, static_scale))
+                                 x.stride(0), q.stride(0), n,
+                                 **_launch_args(n, static_scale, x.device))
     return q, s
 
 
@@ -180,7 +197,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x, r, weight, q, s, ro, static_scale if static_scale is not None else s, rs, cs,
             x.stride(0), r.stride(0), q.stride(0), ro.stride(0), n, eps,
             HAS_RESIDUAL=residual is not None, SCALED=scales is not None,
-            **_launch_args(n, static_scale))
+            **_launch_args(n, static_scale, x.device))
     return (q, s), res_out
 
 
@@ -203,9 +220,10 @@ def silu_and_mul_quant(x: torch.Tensor, static_scale: torch.Tensor | None = None
             _silu_mul_quant_chunked_kernel[(t,)](
                 x, q, s, static_scale if static_scale is not None else s, rs, cs, x.stride(0),
                 q.stride(0), n, STATIC=static_scale is not None, SCALED=scales is not None,
-                CHUNK=chunked[0], num_warps=chunked[1])
+                CHUNK=chunked[0], num_warps=chunked[1], **pdl.launch_args(x.device))
             return q, s
         _silu_mul_quant_kernel[(t,)](x, q, s, static_scale if static_scale is not None else s,
                                      rs, cs, x.stride(0), q.stride(0), n,
-                                     SCALED=scales is not None, **_launch_args(n, static_scale))
+                                     SCALED=scales is not None,
+                                     **_launch_args(n, static_scale, x.device))
     return q, s

@@ -35,7 +35,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from bucketserve.kernels import pdl
 from bucketserve.kernels.cuda_timing import graph_us
 
 
@@ -70,7 +72,7 @@ def _split_sum(part_ptr, lock_ptr, block, acc, offs, omask, slice_size, SPLIT: t
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, N, K, stride_w,
                  k_split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 SCALED: tl.constexpr, SPLIT: tl.constexpr):
+                 SCALED: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -78,6 +80,16 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, N, K, 
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_lo, k_hi = _k_range(K, k_split, SPLIT)
+    if PDL:  # (kernels/pdl.py) the first weight slice while the kernel before still runs
+        gdc_launch_dependents()
+        cols = k_lo + rk
+        kmask = cols < k_hi
+        w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        gdc_wait()  # x, the scales, the scratch and y only after it
+        x = tl.load(x_ptr + cols, mask=kmask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        k_lo += BLOCK_K
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + rk
         if EVEN_K:
@@ -101,10 +113,21 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, N, K, 
 
 
 @triton.jit
+def _rows_dot(x, w, acc, FP8_DOT: tl.constexpr):
+    """acc + x [M, BK] @ w [N, BK]^T, FP8 operands."""
+    if FP8_DOT:  # FP8 tensor cores; each tile's sum added in fp32 here, as Hopper's FP8
+        # MMA accumulates with fewer mantissa bits than fp32 (_scaled_mm promotes too)
+        acc += tl.dot(x, tl.trans(w))
+    else:  # fp16 (every e4m3 value is one), fp32 sums
+        acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+    return acc
+
+
+@triton.jit
 def _rows_fp8_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, M, N, K, stride_x,
                      stride_w, stride_y, k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8_DOT: tl.constexpr,
-                     SPLIT: tl.constexpr):
+                     SPLIT: tl.constexpr, PDL: tl.constexpr):
     # one program per BLOCK_N output channels and all M (<= BLOCK_M) rows: each weight byte
     # is read once per step, as in the GEMV, and the rows share it through one tl.dot
     pid = tl.program_id(0)
@@ -117,6 +140,16 @@ def _rows_fp8_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, M,
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo, k_hi = _k_range(K, k_split, SPLIT)
+    if PDL:  # (kernels/pdl.py) the first weight slice while the kernel before still runs
+        gdc_launch_dependents()
+        cols = k_lo + rk
+        kmask = cols < k_hi
+        w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        gdc_wait()  # x, the scales, the scratch and y only after it
+        x = tl.load(x_rows + cols[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        acc = _rows_dot(x, w, acc, FP8_DOT)
+        k_lo += BLOCK_K
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + rk
         if EVEN_K:
@@ -128,11 +161,7 @@ def _rows_fp8_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, M,
             x = tl.load(x_rows + cols[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                         eviction_policy="evict_first")
-        if FP8_DOT:  # FP8 tensor cores; each tile's sum added in fp32 here, as Hopper's FP8
-            # MMA accumulates with fewer mantissa bits than fp32 (_scaled_mm promotes too)
-            acc += tl.dot(x, tl.trans(w))
-        else:  # fp16 (every e4m3 value is one), fp32 sums
-            acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+        acc = _rows_dot(x, w, acc, FP8_DOT)
     omask = mmask[:, None] & nmask[None, :]
     last = True
     if SPLIT > 1:
@@ -225,7 +254,7 @@ def _launch_gemv(x, weight, out, xs, ws, n: int, k: int, config: tuple, scaled: 
     _gemv_kernel[(triton.cdiv(n, bn), split)](
         x, weight, out, xs, ws, part, locks, n, k, weight.stride(0), k_split, BLOCK_N=bn,
         BLOCK_K=bk, EVEN_K=k % bk == 0, SCALED=scaled, SPLIT=split, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, **pdl.launch_args(out.device))
 
 
 def gemv_fp8(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
@@ -288,7 +317,7 @@ def rows_fp8(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
         q, weight, out, scale, weight_scale, part, locks, m, n, k, q.stride(0),
         weight.stride(0), out.stride(0), k_split, BLOCK_M=row_band(m), BLOCK_N=bn, BLOCK_K=bk,
         EVEN_K=k % bk == 0, FP8_DOT=bool(fp8_dot), SPLIT=split, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, **pdl.launch_args(out.device))
     return out
 
 

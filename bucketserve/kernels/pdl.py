@@ -1,0 +1,46 @@
+"""Programmatic dependent launch (PDL) for the decode step's small Triton kernels (Hopper+).
+
+A decode step of a few rows is a chain of short kernels (quantize, FP8 product, quantize, ...),
+and each product pays a fixed start-up before its weights stream at full rate: on an H100 the
+few-row FP8 products of the 8B shape took about 5 us more than their bytes whatever their grid
+(docs/quantization.md, split K). With PDL a kernel may be launched while the one before it
+still runs: the earlier kernel says so (`gdc_launch_dependents`), the later one starts, reads
+what the earlier one cannot have written (its weights), then waits for it (`gdc_wait`) before
+it reads its input or writes anything. A kernel only takes part when it is launched with
+`launch_pdl=True` and calls `gdc_wait` before its first dependent access; a kernel launched
+without it (torch's, cuBLAS's) is ordered as usual, so mixing the two is safe.
+
+An experiment, off by default: BUCKETSERVE_PDL=1 turns it on for devices of compute capability
+9.0 and above (never under Triton's interpreter, which has no griddepcontrol). The outputs are
+bit for bit those without it (the same sums in the same order): tests/test_gemv_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+PDL_ENV = "BUCKETSERVE_PDL"
+# read at import; bench/gpu_8b.py --pdl and bench/fp8_pdl_gpu.py set it directly
+ENABLED = os.environ.get(PDL_ENV, "") == "1"
+_CAPABLE: dict[int, bool] = {}
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: ENABLED, a CUDA device of compute
+    capability >= 9.0, and not Triton's interpreter."""
+    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _CAPABLE.get(index)
+    if ok is None:
+        ok = _CAPABLE[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return ok
+
+
+def launch_args(device: torch.device) -> dict:
+    """The keyword arguments of a PDL-capable kernel's launch: its PDL constexpr and, when on,
+    Triton's `launch_pdl` option."""
+    on = use_pdl(device)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
