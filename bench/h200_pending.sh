@@ -19,6 +19,10 @@
 #   PART=defer      bash bench/h200_pending.sh   # issue 28: 8B offline, bf16 graphs, FP8
 #                                                # weights + KV with the deferred scales off
 #                                                # (BUCKETSERVE_FP8_DEFER=0) and on (~9 min)
+#   PART=pdl        bash bench/h200_pending.sh   # issue 28: programmatic dependent launch,
+#                                                # its tests, bench/fp8_pdl_gpu.py and the 8B
+#                                                # decode step A B B A with --pdl (~10 min:
+#                                                # ORDER="A1 B1" then "B2 A2" in two calls)
 #   PART=tuner      bash bench/h200_pending.sh   # issue 28 must-show 5: the bucket tuner, prefix
 #                                                # caching off, closed runs of 64-token outputs,
 #                                                # then A B B A rounds (~9 min)
@@ -32,7 +36,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh || exit 1
-PARTS_=${PART:?set PART to tests, structured, gemm, fp8, defer, accuracy or tuner}
+PARTS_=${PART:?set PART to tests, structured, gemm, fp8, defer, pdl, accuracy or tuner}
 REPEATS=${REPEATS:-3}
 # tar exits 1 when a file changed while it read it (a server's log): the archive is still good
 save() { tar czf "/tmp/pending/$PART.tgz" -C /tmp/pending "$PART"; [ $? -le 1 ] && mv "/tmp/pending/$PART.tgz" "$OUT/"; }
@@ -139,6 +143,24 @@ defer)
     BUCKETSERVE_FP8_DEFER=$d timeout "${T_RUN:-175}" python3 bench/gpu_8b.py --out "$O/$m" \
       --modes $mode --requests 256,1024 --repeats "$REPEATS" --batches 128,256 > "$O/$m.log" 2>&1
     grep -h "^llama-8b\|^decode" "$O/$m.log"
+    save
+  done
+  ;;
+pdl)
+  # programmatic dependent launch (kernels/pdl.py): its GPU tests, the 32-layer FP8 chain
+  # without and with it (bench/fp8_pdl_gpu.py), then the 8B decode step A B B A (--pdl)
+  timeout "${T_TESTS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemv_gpu.py \
+    -k "pdl or split or rows_match" > "$O/pytest.log" 2>&1
+  tail -2 "$O/pytest.log"
+  timeout 200 python3 bench/fp8_pdl_gpu.py --rows 1,16,32,64 --out "$O/pdl.json" 2>&1 \
+    | tee "$O/pdl.log" | cut -c1-200
+  save
+  for r in ${ORDER:-A1 B1 B2 A2}; do
+    f=""; case $r in B*) f=--pdl;; esac
+    echo "== $r $(date +%T)"
+    timeout "${T_RUN:-130}" python3 bench/gpu_8b.py --out "$O/$r" --modes fp8kv --requests "" \
+      --batches 1,16,64,256 $f > "$O/$r.log" 2>&1
+    grep -h "^decode" "$O/$r.log"
     save
   done
   ;;
