@@ -151,7 +151,8 @@ pdl)
   # without and with it (bench/fp8_pdl_gpu.py), then the 8B decode step A B B A (--pdl)
   if [ "${T_TESTS:-150}" != 0 ]; then  # T_TESTS=0: the second call, runs only
     timeout "${T_TESTS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_gemv_gpu.py -k "pdl or split or rows_match" > "$O/pytest.log" 2>&1
+      tests/test_gemv_gpu.py tests/test_fp8_gpu.py -k "pdl or split or rows_match" \
+      > "$O/pytest.log" 2>&1
     tail -2 "$O/pytest.log"
     timeout 200 python3 bench/fp8_pdl_gpu.py --rows 1,16,32,64 --out "$O/pdl.json" 2>&1 \
       | tee "$O/pdl.log" | cut -c1-200

@@ -178,7 +178,7 @@ def tiny():
 
 
 def run(tiny, tmp_path, quantization: str, kv: str, mixed: str = "full",
-        cuda_graphs: bool = True):
+        cuda_graphs: bool = True, toml: str = ""):
     from bucketserve.models.loader import LoadedModel, build_dummy_model
 
     cfg, tok, prompts = tiny
@@ -204,7 +204,7 @@ def run(tiny, tmp_path, quantization: str, kv: str, mixed: str = "full",
     path = tmp_path / "b.toml"
     path.write_text(f'[model]\nquantization = "{quantization}"\n[kv_cache]\ndtype = "{kv}"\n'
                     "[scheduler]\nmax_batched_tokens = 256\nmax_running = 16\n"
-                    f'[prefill]\nmixed_graphs = "{mixed}"\n')
+                    f'[prefill]\nmixed_graphs = "{mixed}"\n' + toml)
     engine = LLMEngine(loaded, load_buckets(str(path), max_model_len=2048), "cuda",
                        num_blocks=512, cuda_graphs=cuda_graphs)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
@@ -277,6 +277,26 @@ def test_fp8_engine_with_deferred_products_in_every_band(tiny, references, tmp_p
     assert sum(g[0] == e[0] for g, e in zip(got, eager, strict=True)) >= 15
     prefixes = [_agreeing_prefix(g, r) for g, r in zip(got, references["bf16"], strict=True)]
     assert sum(p >= 1 for p in prefixes) >= 12, prefixes
+
+
+def test_fp8_engine_with_pdl_gives_the_tokens_it_gives_without(tiny, tmp_path, monkeypatch):
+    """The FP8 engine (weights and KV) with its decode kernels launched with programmatic
+    dependent launch (kernels/pdl.py: quantizers, one-row and few-row products, rotary, K/V
+    write, decode attention), through the decode graphs and mixed graphs: the same greedy
+    tokens as without it. `[decode] gemv = "on"` takes the kernels without timing them, so
+    both engines run the same kernels and only PDL differs."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    from bucketserve.kernels import pdl
+
+    toml = '[decode]\ngemv = "on"\n'
+    want, _ = run(tiny, tmp_path, "fp8", "fp8", toml=toml)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    got, engine = run(tiny, tmp_path, "fp8", "fp8", toml=toml)
+    assert engine.runner.num_graph_steps > 0
+    layer = engine.runner.model.model.layers[0]
+    assert layer.self_attn.o_proj.gemv is not None and layer.mlp.down_proj.rows is not None
+    assert got == want
 
 
 @pytest.mark.parametrize("f16_dot", [False, True])

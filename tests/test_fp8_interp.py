@@ -220,7 +220,9 @@ def test_quantizing_kernels_with_pdl_give_the_same_bits_and_wait_first(monkeypat
     waits exactly once: quantize_rows, rms_norm_quant with a residual and deferred scales,
     silu_and_mul_quant one-pass and chunked."""
     _interp()
-    from bucketserve.kernels import pdl, triton_fp8
+    from triton_interp import pdl_on
+
+    from bucketserve.kernels import triton_fp8
 
     gen = torch.Generator().manual_seed(11)
     t, n = 5, 300
@@ -236,13 +238,59 @@ def test_quantizing_kernels_with_pdl_give_the_same_bits_and_wait_first(monkeypat
                 *triton_fp8.silu_and_mul_quant(x, chunked=(128, 2))]
 
     plain = run()
-    calls: list[str] = []
-    monkeypatch.setattr(pdl, "launch_args", lambda device: {"PDL": True})
-    monkeypatch.setattr(triton_fp8, "gdc_wait", lambda: calls.append("wait"))
-    monkeypatch.setattr(triton_fp8, "gdc_launch_dependents", lambda: calls.append("launch"))
+    calls = pdl_on(monkeypatch)
     with_pdl = run()
     for a, b in zip(plain, with_pdl, strict=True):
         if a.dtype == FP8_DTYPE:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
         assert torch.equal(a, b)
     assert calls == ["launch", "wait"] * (4 * t)  # four launches of t programs
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_chain_kernels_with_pdl_give_the_same_bits(monkeypatch, splits):
+    """The rest of a decode layer's Triton chain launched with programmatic dependent launch:
+    the rotary kernel, the K/V write into an FP8 pool, the paged decode and (with splits) the
+    merge of its splits give what they give without it, and each program signals and waits
+    exactly once, first."""
+    ta = _interp()
+    from triton_interp import pdl_on
+
+    from bucketserve.kernels import triton_fused
+
+    gen = torch.Generator().manual_seed(5 + splits)
+    page, hkv, hq, d = 16, 2, 4, 32
+    lens = [20, 45, 3]
+    nd = len(lens)
+    tables = torch.zeros(nd, 4, dtype=torch.int32)
+    used = 1
+    for i, x in enumerate(lens):
+        need = -(-x // page)
+        tables[i, :need] = torch.arange(used, used + need)
+        used += need
+    slots = torch.tensor([int(tables[i, (x - 1) // page]) * page + (x - 1) % page
+                          for i, x in enumerate(lens)])
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    positions = seq_lens.long() - 1
+    cache = torch.randn(64, d, generator=gen)  # rows [cos | sin]
+    q0 = torch.randn(nd, hq, d, generator=gen)
+    k0 = torch.randn(nd, hkv, d, generator=gen)
+    v = _fp8_values(nd, hkv, d).float() * VS
+    pool = _fp8_values(used, page, hkv, d), _fp8_values(used, page, hkv, d)
+
+    def run():
+        kc, vc = pool[0].clone(), pool[1].clone()
+        q, k = triton_fused.apply_rotary(q0, k0, positions, cache)
+        ta.write_kv_triton(k, v, kc, vc, slots, (KS, VS))
+        out = torch.empty(nd, hq, d)
+        ta.paged_decode(q, kc, vc, tables, seq_lens, nd, d ** -0.5, out, num_splits=splits,
+                        kv_scales=(KS, VS))
+        return [q, k, kc.view(torch.uint8), vc.view(torch.uint8), out]
+
+    plain = run()
+    calls = pdl_on(monkeypatch)
+    with_pdl = run()
+    for a, b in zip(plain, with_pdl, strict=True):
+        assert torch.equal(a, b)
+    programs = nd + nd + nd * hkv * splits + (nd * hq if splits > 1 else 0)
+    assert calls == ["launch", "wait"] * programs

@@ -282,19 +282,6 @@ def _check_split_bound(triton_gemv) -> None:
         triton_gemv.CANDIDATES, 28672, 4) == [c for c in triton_gemv.CANDIDATES if len(c) == 4]
 
 
-def _pdl_on(monkeypatch, *modules) -> list[str]:
-    """Kernels launched as with BUCKETSERVE_PDL=1 on a Hopper GPU (their PDL constexpr on),
-    with the griddepcontrol calls, which the interpreter cannot run, recorded instead."""
-    from bucketserve.kernels import pdl
-
-    calls: list[str] = []
-    monkeypatch.setattr(pdl, "launch_args", lambda device: {"PDL": True})
-    for mod in modules:
-        monkeypatch.setattr(mod, "gdc_wait", lambda: calls.append("wait"))
-        monkeypatch.setattr(mod, "gdc_launch_dependents", lambda: calls.append("launch"))
-    return calls
-
-
 @pytest.mark.parametrize("m, n, k, config", [(1, 37, 300, (8, 128, 4, 2)),
                                              (1, 37, 300, (4, 1024, 4, 3)),  # K < BLOCK_K
                                              (1, 20, 384, (8, 128, 4, 3, 4)),  # an empty split
@@ -327,7 +314,9 @@ def test_pdl_launches_give_the_same_bits_and_wait_once_a_program(monkeypatch, m,
         return [triton_gemv.rows_fp8(q, s, w, ws, torch.float32, config=config)]
 
     plain = run()
-    calls = _pdl_on(monkeypatch, triton_gemv)
+    from triton_interp import pdl_on
+
+    calls = pdl_on(monkeypatch)
     with_pdl = run()
     for a, b in zip(plain, with_pdl, strict=True):
         assert torch.equal(a, b)

@@ -41,3 +41,16 @@ def interpreted_triton() -> None:
 
         patched._bucketserve_numpy2 = True
         interpreter._patch_lang_tensor = patched
+
+
+def pdl_on(monkeypatch) -> list[str]:
+    """Kernels launched as with BUCKETSERVE_PDL=1 on a Hopper GPU (their PDL constexpr on),
+    with the griddepcontrol calls, which the interpreter cannot run, recorded instead (in
+    order, one entry a call)."""
+    from bucketserve.kernels import pdl, triton_pdl
+
+    calls: list[str] = []
+    monkeypatch.setattr(pdl, "launch_args", lambda device: {"PDL": True})
+    monkeypatch.setattr(triton_pdl, "gdc_wait", lambda: calls.append("wait"))
+    monkeypatch.setattr(triton_pdl, "gdc_launch_dependents", lambda: calls.append("launch"))
+    return calls

@@ -1,18 +1,21 @@
 """Programmatic dependent launch (PDL) for the decode step's small Triton kernels (Hopper+).
 
-A decode step of a few rows is a chain of short kernels (quantize, FP8 product, quantize, ...),
-and each product pays a fixed start-up before its weights stream at full rate: on an H100 the
-few-row FP8 products of the 8B shape took about 5 us more than their bytes whatever their grid
-(docs/quantization.md, split K). With PDL a kernel may be launched while the one before it
+A decode step of a few rows is a chain of short kernels (quantize, FP8 product, rotary, K/V
+write, attention, quantize, ...), and each product pays a fixed start-up before its weights
+stream at full rate: on an H100 the few-row FP8 products of the 8B shape took about 5 us more
+than their bytes whatever their grid (docs/quantization.md, split K). With PDL a kernel may be launched while the one before it
 still runs: the earlier kernel says so (`gdc_launch_dependents`), the later one starts, reads
 what the earlier one cannot have written (its weights), then waits for it (`gdc_wait`) before
 it reads its input or writes anything. A kernel only takes part when it is launched with
 `launch_pdl=True` and calls `gdc_wait` before its first dependent access; a kernel launched
-without it (torch's, cuBLAS's) is ordered as usual, so mixing the two is safe.
+without it (torch's, cuBLAS's) is ordered as usual, so mixing the two is safe. Taking part:
+kernels/triton_fp8's quantizers, kernels/triton_gemv's products, triton_fused.apply_rotary,
+triton_attention's K/V write, decode and split merge (their device side: triton_pdl.py).
 
 An experiment, off by default: BUCKETSERVE_PDL=1 turns it on for devices of compute capability
 9.0 and above (never under Triton's interpreter, which has no griddepcontrol). The outputs are
-bit for bit those without it (the same sums in the same order): tests/test_gemv_gpu.py.
+bit for bit those without it (the same sums in the same order): tests/test_gemv_gpu.py,
+tests/test_fp8_gpu.py.
 """
 
 from __future__ import annotations

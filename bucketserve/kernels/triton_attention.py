@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bucketserve.kernels import pdl, triton_pdl
 from bucketserve.kernels.attention import (
     PREFILL_BLOCK_M,
     TILE_SHIFT,
@@ -61,9 +62,11 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_inv, v_
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+                     PDL: tl.constexpr):
     # one program per token: k[t], v[t] ([Hkv, D]) -> pool slot slot_mapping[t]; an FP8 pool
     # stores k * k_inv and v * v_inv (1 / the layer's scales), saturated to +-448
+    triton_pdl.start(PDL)  # (kernels/pdl.py)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # tolerate "no slot" markers as well as the dummy block
@@ -89,7 +92,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DEVICE_COUNT: tl.constexpr,
-                   F16_DOT: tl.constexpr):
+                   F16_DOT: tl.constexpr, PDL: tl.constexpr):
+    triton_pdl.start(PDL)  # (kernels/pdl.py)
     s = tl.program_id(0)
     if DEVICE_COUNT:  # fixed grid (a captured mixed step): the decode count is on the device
         if s >= tl.load(nd_ptr):
@@ -152,8 +156,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr,
 @triton.jit
 def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     # one program per (sequence, query head): out = sum_s w_s o_s / sum_s w_s l_s
+    triton_pdl.start(PDL)  # (kernels/pdl.py)
     s = tl.program_id(0)
     h = tl.program_id(1)
     row0 = (s * tl.num_programs(1) + h) * NUM_SPLITS
@@ -293,7 +298,7 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, PAGE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
-        FP8=k_cache.dtype == FP8_DTYPE)
+        FP8=k_cache.dtype == FP8_DTYPE, **pdl.launch_args(k.device))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -347,12 +352,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, HEAD_DIM=d, PAGE=k_cache.shape[1], NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         PRECISION=_precision(q.dtype), DEVICE_COUNT=device_count is not None, F16_DOT=f16,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(q.device))
     if num_splits > 1:
         _merge_splits_kernel[(num_decodes, hq)](
             part_o, part_ml, out, out.stride(0), out.stride(1),
             HEAD_DIM=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d)
+            BLOCK_D=block_d, **pdl.launch_args(q.device))
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

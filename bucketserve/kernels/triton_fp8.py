@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from bucketserve.kernels import pdl
+from bucketserve.kernels import pdl, triton_pdl
 from bucketserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 _MAX: tl.constexpr = tl.constexpr(FP8_MAX)
@@ -37,18 +36,9 @@ def _store_quantized(v, row, cols, mask, q_ptr, s_ptr, static_ptr, stride_q,
 
 
 @triton.jit
-def _pdl_start(PDL: tl.constexpr):
-    # (kernels/pdl.py) the next kernel may start now: it waits for this one before it reads
-    # anything this one writes; this one waits for the kernel before it, before any access
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-@triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, n_cols,
                        STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+    triton_pdl.start(PDL)  # (kernels/pdl.py)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -74,7 +64,7 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, sta
                            HAS_RESIDUAL: tl.constexpr, STATIC: tl.constexpr,
                            SCALED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # triton_fused._rms_norm_kernel's arithmetic, then the quantization of its output row
-    _pdl_start(PDL)
+    triton_pdl.start(PDL)  # (kernels/pdl.py)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -107,7 +97,7 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, rs_ptr, cs_ptr, stri
                            stride_q, n_cols, STATIC: tl.constexpr, SCALED: tl.constexpr,
                            BLOCK: tl.constexpr, PDL: tl.constexpr):
     # x [T, 2I] = [gate | up] -> quantized silu(gate) * up, one program per row
-    _pdl_start(PDL)
+    triton_pdl.start(PDL)  # (kernels/pdl.py)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -125,7 +115,7 @@ def _silu_mul_quant_chunked_kernel(x_ptr, q_ptr, s_ptr, static_ptr, rs_ptr, cs_p
     # and stores them quantized. Few registers a program, so many programs share an SM:
     # the one-pass kernel keeps the whole row (2 x 14,336 values at the 8B shape) in
     # registers, one program per SM.
-    _pdl_start(PDL)
+    triton_pdl.start(PDL)  # (kernels/pdl.py)
     row = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     if STATIC:

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bucketserve.kernels import pdl, triton_pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
@@ -64,8 +66,10 @@ def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cache_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh,
                    stride_kot, stride_koh, stride_c,
                    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                   BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   PDL: tl.constexpr):
     # one program per token rotates its q and k heads; cache row = [cos | sin] (fp32)
+    triton_pdl.start(PDL)  # (kernels/pdl.py)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
@@ -125,7 +129,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                          cos_sin_cache.stride(0), NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv,
                          HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq),
                          BLOCK_HKV=triton.next_power_of_2(hkv),
-                         BLOCK_HALF=triton.next_power_of_2(d // 2))
+                         BLOCK_HALF=triton.next_power_of_2(d // 2), **pdl.launch_args(q.device))
     return q_out, k_out
 
 

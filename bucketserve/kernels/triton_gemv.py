@@ -35,9 +35,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from bucketserve.kernels import pdl
+from bucketserve.kernels import pdl, triton_pdl
 from bucketserve.kernels.cuda_timing import graph_us
 
 
@@ -81,12 +80,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, N, K, 
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_lo, k_hi = _k_range(K, k_split, SPLIT)
     if PDL:  # (kernels/pdl.py) the first weight slice while the kernel before still runs
-        gdc_launch_dependents()
+        triton_pdl.gdc_launch_dependents()
         cols = k_lo + rk
         kmask = cols < k_hi
         w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                     eviction_policy="evict_first")
-        gdc_wait()  # x, the scales, the scratch and y only after it
+        triton_pdl.gdc_wait()  # x, the scales, the scratch and y only after it
         x = tl.load(x_ptr + cols, mask=kmask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         k_lo += BLOCK_K
@@ -141,12 +140,12 @@ def _rows_fp8_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, M,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo, k_hi = _k_range(K, k_split, SPLIT)
     if PDL:  # (kernels/pdl.py) the first weight slice while the kernel before still runs
-        gdc_launch_dependents()
+        triton_pdl.gdc_launch_dependents()
         cols = k_lo + rk
         kmask = cols < k_hi
         w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                     eviction_policy="evict_first")
-        gdc_wait()  # x, the scales, the scratch and y only after it
+        triton_pdl.gdc_wait()  # x, the scales, the scratch and y only after it
         x = tl.load(x_rows + cols[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         acc = _rows_dot(x, w, acc, FP8_DOT)
         k_lo += BLOCK_K
