@@ -32,6 +32,18 @@ def _interp():
     return triton_attention
 
 
+def _page_tables(lens: list[int], page: int, rows: int, width: int) -> tuple[torch.Tensor, int]:
+    """Block tables [rows, width] giving sequence i of lens[i] tokens its pages in order from
+    block 1 (block 0 stays the dummy), and the number of blocks used (the dummy included)."""
+    tables = torch.zeros(rows, width, dtype=torch.int32)
+    used = 1
+    for i, x in enumerate(lens):
+        need = -(-x // page)
+        tables[i, :need] = torch.arange(used, used + need)
+        used += need
+    return tables, used
+
+
 def _fp8_values(*shape: int) -> torch.Tensor:
     return torch.randn(*shape).to(FP8_DTYPE)
 
@@ -50,12 +62,7 @@ def test_attention_reads_an_fp8_pool_with_scales(fixed_grid, splits):
     n, ntok = len(lens), sum(qlens)
     nb = sum(-(-x // page) for x in lens) + 1
     kc, vc = _fp8_values(nb, page, hkv, d), _fp8_values(nb, page, hkv, d)
-    tables = torch.zeros(max_seqs, 8, dtype=torch.int32)
-    used = 1
-    for i, x in enumerate(lens):
-        need = -(-x // page)
-        tables[i, :need] = torch.arange(used, used + need)
-        used += need
+    tables, _ = _page_tables(lens, page, max_seqs, 8)
     slots = []
     for i, (x, qn) in enumerate(zip(lens, qlens, strict=True)):
         slots += [int(tables[i, p // page]) * page + p % page for p in range(x - qn, x)]
@@ -262,12 +269,7 @@ def test_decode_chain_kernels_with_pdl_give_the_same_bits(monkeypatch, splits):
     page, hkv, hq, d = 16, 2, 4, 32
     lens = [20, 45, 3]
     nd = len(lens)
-    tables = torch.zeros(nd, 4, dtype=torch.int32)
-    used = 1
-    for i, x in enumerate(lens):
-        need = -(-x // page)
-        tables[i, :need] = torch.arange(used, used + need)
-        used += need
+    tables, used = _page_tables(lens, page, nd, 4)
     slots = torch.tensor([int(tables[i, (x - 1) // page]) * page + (x - 1) % page
                           for i, x in enumerate(lens)])
     seq_lens = torch.tensor(lens, dtype=torch.int32)

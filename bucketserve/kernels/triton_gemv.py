@@ -69,6 +69,21 @@ def _split_sum(part_ptr, lock_ptr, block, acc, offs, omask, slice_size, SPLIT: t
 
 
 @triton.jit
+def _first_slice_then_wait(w_rows, nmask, k_lo, k_hi, rk):
+    """With PDL (kernels/pdl.py): lets the next kernel launch, loads this program's first weight
+    slice [BLOCK_N, BLOCK_K] (weights are never written: the kernel before may still run),
+    then waits for that kernel; x, the scales, the scratch and y are read only after. Returns
+    (the slice, its columns, their mask)."""
+    triton_pdl.gdc_launch_dependents()
+    cols = k_lo + rk
+    kmask = cols < k_hi
+    w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
+                eviction_policy="evict_first")
+    triton_pdl.gdc_wait()
+    return w, cols, kmask
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, N, K, stride_w,
                  k_split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  SCALED: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
@@ -80,12 +95,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, N, K, 
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_lo, k_hi = _k_range(K, k_split, SPLIT)
     if PDL:  # (kernels/pdl.py) the first weight slice while the kernel before still runs
-        triton_pdl.gdc_launch_dependents()
-        cols = k_lo + rk
-        kmask = cols < k_hi
-        w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        triton_pdl.gdc_wait()  # x, the scales, the scratch and y only after it
+        w, cols, kmask = _first_slice_then_wait(w_rows, nmask, k_lo, k_hi, rk)
         x = tl.load(x_ptr + cols, mask=kmask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         k_lo += BLOCK_K
@@ -140,12 +150,7 @@ def _rows_fp8_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, M,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo, k_hi = _k_range(K, k_split, SPLIT)
     if PDL:  # (kernels/pdl.py) the first weight slice while the kernel before still runs
-        triton_pdl.gdc_launch_dependents()
-        cols = k_lo + rk
-        kmask = cols < k_hi
-        w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        triton_pdl.gdc_wait()  # x, the scales, the scratch and y only after it
+        w, cols, kmask = _first_slice_then_wait(w_rows, nmask, k_lo, k_hi, rk)
         x = tl.load(x_rows + cols[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         acc = _rows_dot(x, w, acc, FP8_DOT)
         k_lo += BLOCK_K
