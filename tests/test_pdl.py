@@ -33,3 +33,45 @@ def test_pdl_is_off_unless_asked_for_and_the_device_can(monkeypatch):
     finally:  # the module as the other tests found it
         monkeypatch.delenv(pdl.PDL_ENV)
         importlib.reload(pdl)
+
+
+def test_compiled_kernels_wait_before_their_first_dependent_access():
+    """The PDL kernels compiled for sm_90 (no GPU needed; tests/pdl_ptx.py reads the PTX):
+    each program first lets the next kernel launch, then waits once for the kernel before it,
+    and before that wait touches nothing but its weights (the products' first slice, loaded
+    with the evict-first hint): no input read, no store, no atomic. Compiled without PDL, no
+    kernel has a griddepcontrol instruction. The interpreter tests cannot see this order: the
+    compiler could move a load above the wait."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+
+    def compiled(*flags: str) -> dict[str, list[str]]:
+        run = subprocess.run([sys.executable, str(root / "tests" / "pdl_ptx.py"), *flags],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return json.loads(run.stdout)
+
+    with_pdl = compiled()
+    assert len(with_pdl) == 12
+    for name, seq in with_pdl.items():
+        assert seq[0] == "launch" and seq.count("launch") == 1 and seq.count("wait") == 1, name
+        before = seq[1:seq.index("wait")]
+        after = seq[seq.index("wait") + 1:]
+        if name.startswith(("gemv", "rows")):
+            assert before and set(before) == {"load:weights"}, (name, before)
+            assert "load" in after, name  # x (and the loop's further slices)
+        else:
+            assert before == [], (name, before)
+        assert "store" in after, name
+    for name, seq in compiled("--no-pdl").items():
+        assert "launch" not in seq and "wait" not in seq, name
