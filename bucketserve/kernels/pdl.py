@@ -3,8 +3,9 @@
 A decode step of a few rows is a chain of short kernels (quantize, FP8 product, rotary, K/V
 write, attention, quantize, ...), and each product pays a fixed start-up before its weights
 stream at full rate: on an H100 the few-row FP8 products of the 8B shape took about 5 us more
-than their bytes whatever their grid (docs/quantization.md, split K). With PDL a kernel may be launched while the one before it
-still runs: the earlier kernel says so (`gdc_launch_dependents`), the later one starts, reads
+than their bytes whatever their grid (docs/quantization.md, split K). With PDL a kernel may be
+launched while the one before it still runs: the earlier kernel says so
+(`gdc_launch_dependents`), the later one starts, reads
 what the earlier one cannot have written (its weights), then waits for it (`gdc_wait`) before
 it reads its input or writes anything. A kernel only takes part when it is launched with
 `launch_pdl=True` and calls `gdc_wait` before its first dependent access; a kernel launched
@@ -42,8 +43,11 @@ def use_pdl(device: torch.device) -> bool:
     return ok
 
 
+_ON = {"PDL": True, "launch_pdl": True}
+_OFF = {"PDL": False}
+
+
 def launch_args(device: torch.device) -> dict:
-    """The keyword arguments of a PDL-capable kernel's launch: its PDL constexpr and, when on,
-    Triton's `launch_pdl` option."""
-    on = use_pdl(device)
-    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+    """The keyword arguments of a PDL-capable kernel's launch (spread into it, never changed):
+    its PDL constexpr and, when on, Triton's `launch_pdl` option."""
+    return _ON if use_pdl(device) else _OFF
