@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Programmatic dependent launch in the FP8 decode chain (kernels/pdl.py,
 docs/quantization.md "Programmatic dependent launch"): the 8B shape's per-layer FP8 kernels
-for a few rows, replayed from a CUDA graph, launched without PDL (A) and with it (B).
+for a few rows, replayed from a CUDA graph, launched without PDL and with it.
 
 One graph step is 32 layers of: rms_norm_quant (with the residual) -> qkv product ->
 quantize_rows of 4,096 of its columns (attention's place) -> o product -> rms_norm_quant ->
@@ -9,9 +9,11 @@ gate_up product -> silu_and_mul_quant -> down product. Eight layers of random FP
 rotate (1.75 GB: L2 holds none of it). Each product runs what the model would run at that
 row count: the start-up choice of kernels/triton_gemv (choose_fp8 for one row, choose_fp8_rows
 for the row band; _scaled_mm where no kernel wins), made once with PDL off. For each row count
-both graphs are captured, then replayed in alternation (A B B A ...); reported: the median
-step time of each over --rounds, the ratio, and the weights' byte floor at the device's
-measured copy rate. CUDA only (PDL needs compute capability 9.0).
+a graph of each variant is captured (A without PDL; E, L: with it, the products letting the
+next kernel launch early or after their K loop; Q: the short kernels with it, the products
+without), then replayed in turn, the order reversed every round; reported: the median step
+time of each over --rounds, A's time over each other's, and the weights' byte floor at the
+device's measured copy rate. CUDA only (PDL needs compute capability 9.0).
 
     PYTHONPATH=$PWD python3 bench/fp8_pdl_gpu.py [--rows 1,16,32,64] [--out $OUT/pdl.json]
 """
@@ -36,6 +38,7 @@ from bucketserve.kernels.fp8 import quantize_fp8_per_channel  # noqa: E402
 from bucketserve.kernels.fp8_ops import fp8_linear  # noqa: E402
 
 H, INTER, QKV, LAYERS, WEIGHTS = 4096, 14336, 6144, 32, 8
+VARIANTS = {"A": "off", "E": "early", "L": "late", "Q": "off"}  # name -> pdl.PRODUCTS
 SHAPES = {"qkv": (QKV, H), "o": (H, H), "gate_up": (2 * INTER, H), "down": (H, INTER)}
 
 
@@ -43,10 +46,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,16,32,64")
     ap.add_argument("--rounds", type=int, default=9, help="replays of each graph, alternating")
+    ap.add_argument("--variants", default="A,E,L,Q",
+                    help="graphs to compare: A without PDL; with it, the products' trigger E "
+                         "early, L late (kernels/pdl.py PRODUCTS), Q products without it")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
+    variants = args.variants.split(",")
+    if variants[0] != "A" or not set(variants) <= set(VARIANTS):
+        raise SystemExit(f"--variants: A first, then any of {', '.join(VARIANTS)}")
+    products = pdl.PRODUCTS
     pdl.ENABLED = False
     weights = {p: [quantize_fp8_per_channel(torch.randn(n, k, device=dev) * 0.02)
                    for _ in range(WEIGHTS)] for p, (n, k) in SHAPES.items()}
@@ -92,8 +102,9 @@ def main() -> None:
             return x
 
         graphs, outs = {}, {}
-        for name, on in (("A", False), ("B", True)):
-            pdl.ENABLED = on
+        for name in variants:
+            pdl.ENABLED = name != "A"
+            pdl.PRODUCTS = VARIANTS[name]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -102,14 +113,14 @@ def main() -> None:
             graphs[name] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graphs[name]):
                 outs[name] = step()
-        pdl.ENABLED = False
-        times: dict[str, list[float]] = {"A": [], "B": []}
-        for name in "ABBA" * 2:
+        pdl.ENABLED, pdl.PRODUCTS = False, products
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for name in variants + variants[::-1]:
             graphs[name].replay()
         torch.cuda.synchronize()
-        same = torch.equal(outs["A"], outs["B"])
+        same = all(torch.equal(outs["A"], o) for o in outs.values())
         for r in range(args.rounds):
-            for name in ("AB" if r % 2 == 0 else "BA"):
+            for name in (variants if r % 2 == 0 else variants[::-1]):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 graphs[name].replay()
@@ -120,7 +131,7 @@ def main() -> None:
         row = {"choice": {p: (list(c) if c else None) for p, (c, _) in choice.items()},
                "step_us": {k: round(v, 1) for k, v in med.items()},
                "per_layer_us": {k: round(v / LAYERS, 2) for k, v in med.items()},
-               "pdl_speedup": round(med["A"] / med["B"], 3),
+               "pdl_speedup": {k: round(med["A"] / v, 3) for k, v in med.items() if k != "A"},
                "over_floor": {k: round(v / report["floor_us"], 2) for k, v in med.items()},
                "same_bits": same,
                "spread_us": {k: [round(min(v), 1), round(max(v), 1)] for k, v in times.items()}}

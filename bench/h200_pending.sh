@@ -148,7 +148,8 @@ defer)
   ;;
 pdl)
   # programmatic dependent launch (kernels/pdl.py): its GPU tests, the 32-layer FP8 chain
-  # without and with it (bench/fp8_pdl_gpu.py), then the 8B decode step A B B A (--pdl)
+  # without and with it (bench/fp8_pdl_gpu.py), then the 8B decode step A B B A (--pdl; E*:
+  # --pdl with the products' early trigger)
   if [ "${T_TESTS:-150}" != 0 ]; then  # T_TESTS=0: the second call, runs only
     timeout "${T_TESTS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_gemv_gpu.py tests/test_fp8_gpu.py -k "pdl or split or rows_match" \
@@ -159,9 +160,9 @@ pdl)
     save
   fi
   for r in ${ORDER:-A1 B1 B2 A2}; do
-    f=""; case $r in B*) f=--pdl;; esac
+    f=""; e=late; case $r in B*) f=--pdl;; E*) f=--pdl; e=early;; esac
     echo "== $r $(date +%T)"
-    timeout "${T_RUN:-130}" python3 bench/gpu_8b.py --out "$O/$r" --modes fp8kv --requests "" \
+    BUCKETSERVE_PDL_PRODUCTS=$e timeout "${T_RUN:-130}" python3 bench/gpu_8b.py --out "$O/$r" --modes fp8kv --requests "" \
       --batches 1,16,64,256 $f > "$O/$r.log" 2>&1
     grep -h "^decode" "$O/$r.log"
     save

@@ -88,8 +88,15 @@ def main() -> None:
     pdl = "--no-pdl" not in sys.argv
     target = GPUTarget("cuda", 90, 32)
     out = {}
+    runs = []
     for name, fn, ptrs, consts in KERNELS:
-        consts = {**consts, "PDL": pdl}
+        if fn in (g._gemv_kernel, g._rows_fp8_kernel):  # PDL 1 early, 2 late (pdl.PRODUCTS)
+            runs += [(f"{name} early", fn, ptrs, {**consts, "PDL": int(pdl)})]
+            if pdl:
+                runs += [(f"{name} late", fn, ptrs, {**consts, "PDL": 2})]
+        else:
+            runs += [(name, fn, ptrs, {**consts, "PDL": pdl})]
+    for name, fn, ptrs, consts in runs:
         sig = {}
         for p in fn.arg_names:
             if p in consts:

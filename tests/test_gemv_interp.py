@@ -282,18 +282,21 @@ def _check_split_bound(triton_gemv) -> None:
         triton_gemv.CANDIDATES, 28672, 4) == [c for c in triton_gemv.CANDIDATES if len(c) == 4]
 
 
+@pytest.mark.parametrize("products", ["early", "late"])
 @pytest.mark.parametrize("m, n, k, config", [(1, 37, 300, (8, 128, 4, 2)),
                                              (1, 37, 300, (4, 1024, 4, 3)),  # K < BLOCK_K
                                              (1, 20, 384, (8, 128, 4, 3, 4)),  # an empty split
                                              (3, 37, 300, (16, 128, 4, 4, 0)),
                                              (16, 64, 512, (32, 128, 4, 4, 1)),
                                              (64, 33, 384, (32, 128, 4, 3, 0, 4))])
-def test_pdl_launches_give_the_same_bits_and_wait_once_a_program(monkeypatch, m, n, k, config):
+def test_pdl_launches_give_the_same_bits_and_wait_once_a_program(monkeypatch, m, n, k, config,
+                                                                 products):
     """With programmatic dependent launch (kernels/pdl.py) a GEMV / rows_fp8 program reads its
     first weight slice before it waits for the kernel before it, then the rest as before: the
     same sums in the same order, so the same bits as without it, for one-row, few-row and split
     products with uneven K, K under one tile and a split with no tile. Every program signals
-    its dependents and waits exactly once."""
+    its dependents and waits exactly once: before its wait (early) or after it (late, once its
+    K loop is done)."""
     from triton_interp import interpreted_triton
 
     interpreted_triton()
@@ -316,12 +319,14 @@ def test_pdl_launches_give_the_same_bits_and_wait_once_a_program(monkeypatch, m,
     plain = run()
     from triton_interp import pdl_on
 
-    calls = pdl_on(monkeypatch)
+    calls = pdl_on(monkeypatch, products)
     with_pdl = run()
     for a, b in zip(plain, with_pdl, strict=True):
         assert torch.equal(a, b)
     split = config[4] if m == 1 and len(config) > 4 else config[5] if len(config) > 5 else 1
     programs = -(-n // config[0]) * split * len(plain)
-    assert calls.count("wait") == calls.count("launch") == programs
+    # the interpreter runs a grid's programs one after another
+    first = "launch" if products == "early" else "wait"
+    assert calls == [first, ({"launch", "wait"} - {first}).pop()] * programs
     if split > 1:
         _counters_at_rest()

@@ -37,9 +37,10 @@ def test_pdl_is_off_unless_asked_for_and_the_device_can(monkeypatch):
 
 def test_compiled_kernels_wait_before_their_first_dependent_access():
     """The PDL kernels compiled for sm_90 (no GPU needed; tests/pdl_ptx.py reads the PTX):
-    each program first lets the next kernel launch, then waits once for the kernel before it,
-    and before that wait touches nothing but its weights (the products' first slice, loaded
-    with the evict-first hint): no input read, no store, no atomic. Compiled without PDL, no
+    each program lets the next kernel launch once (first thing; a product in the late mode
+    after its K loop: after its last weight load, before its stores), waits once for the kernel
+    before it, and before that wait touches nothing but its weights (the products' first slice,
+    loaded with the evict-first hint): no input read, no store, no atomic. Compiled without PDL, no
     kernel has a griddepcontrol instruction. The interpreter tests cannot see this order: the
     compiler could move a load above the wait."""
     import json
@@ -62,16 +63,24 @@ def test_compiled_kernels_wait_before_their_first_dependent_access():
         return json.loads(run.stdout)
 
     with_pdl = compiled()
-    assert len(with_pdl) == 12
+    assert len(with_pdl) == 16
     for name, seq in with_pdl.items():
-        assert seq[0] == "launch" and seq.count("launch") == 1 and seq.count("wait") == 1, name
-        before = seq[1:seq.index("wait")]
+        assert seq.count("launch") == 1 and seq.count("wait") == 1, name
+        late = name.endswith(" late")
+        if late:
+            assert seq.index("launch") > seq.index("wait"), name
+        else:
+            assert seq[0] == "launch", name
+        before = [a for a in seq[:seq.index("wait")] if a != "launch"]
         after = seq[seq.index("wait") + 1:]
         if name.startswith(("gemv", "rows")):
             assert before and set(before) == {"load:weights"}, (name, before)
             assert "load" in after, name  # x (and the loop's further slices)
         else:
             assert before == [], (name, before)
+        if late:  # after the K loop: every weight load before it, the output stores after
+            assert "load:weights" not in seq[seq.index("launch"):], name
+            assert "store" in seq[seq.index("launch"):], name
         assert "store" in after, name
     for name, seq in compiled("--no-pdl").items():
         assert "launch" not in seq and "wait" not in seq, name

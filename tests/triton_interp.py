@@ -43,14 +43,16 @@ def interpreted_triton() -> None:
         interpreter._patch_lang_tensor = patched
 
 
-def pdl_on(monkeypatch) -> list[str]:
-    """Kernels launched as with BUCKETSERVE_PDL=1 on a Hopper GPU (their PDL constexpr on),
-    with the griddepcontrol calls, which the interpreter cannot run, recorded instead (in
-    order, one entry a call)."""
+def pdl_on(monkeypatch, products: str = "late") -> list[str]:
+    """Kernels launched as with BUCKETSERVE_PDL=1 on a Hopper GPU (their PDL constexpr on; the
+    products' as BUCKETSERVE_PDL_PRODUCTS=`products` sets it), with the griddepcontrol calls,
+    which the interpreter cannot run, recorded instead (in order, one entry a call)."""
     from bucketserve.kernels import pdl, triton_pdl
 
     calls: list[str] = []
     monkeypatch.setattr(pdl, "launch_args", lambda device: {"PDL": True})
+    mode = pdl.PRODUCT_MODES[products]
+    monkeypatch.setattr(pdl, "product_args", lambda device: {"PDL": mode})
     monkeypatch.setattr(triton_pdl, "gdc_wait", lambda: calls.append("wait"))
     monkeypatch.setattr(triton_pdl, "gdc_launch_dependents", lambda: calls.append("launch"))
     return calls

@@ -43,11 +43,28 @@ def use_pdl(device: torch.device) -> bool:
     return ok
 
 
+# when a product (kernels/triton_gemv) lets the next kernel launch: "late" (after its K loop:
+# at most one kernel waits on the SMs at a time), "early" (first thing, as the short kernels
+# do), "off" (products launched without PDL, the short kernels with it); an experiment knob
+PRODUCTS_ENV = "BUCKETSERVE_PDL_PRODUCTS"
+PRODUCT_MODES = {"off": 0, "early": 1, "late": 2}
+PRODUCTS = os.environ.get(PRODUCTS_ENV, "late")
+if PRODUCTS not in PRODUCT_MODES:
+    raise ValueError(f"{PRODUCTS_ENV}={PRODUCTS!r}: one of {', '.join(PRODUCT_MODES)}")
+
 _ON = {"PDL": True, "launch_pdl": True}
 _OFF = {"PDL": False}
+_PRODUCT = {"off": {"PDL": 0}, "early": {"PDL": 1, "launch_pdl": True},
+            "late": {"PDL": 2, "launch_pdl": True}}
 
 
 def launch_args(device: torch.device) -> dict:
     """The keyword arguments of a PDL-capable kernel's launch (spread into it, never changed):
     its PDL constexpr and, when on, Triton's `launch_pdl` option."""
     return _ON if use_pdl(device) else _OFF
+
+
+def product_args(device: torch.device) -> dict:
+    """`launch_args` of a product kernel (kernels/triton_gemv): its PDL constexpr is the
+    PRODUCTS mode's number (0 off, 1 early, 2 late)."""
+    return _PRODUCT[PRODUCTS] if use_pdl(device) else _PRODUCT["off"]

@@ -69,12 +69,13 @@ def _split_sum(part_ptr, lock_ptr, block, acc, offs, omask, slice_size, SPLIT: t
 
 
 @triton.jit
-def _first_slice_then_wait(w_rows, nmask, k_lo, k_hi, rk):
-    """With PDL (kernels/pdl.py): lets the next kernel launch, loads this program's first weight
-    slice [BLOCK_N, BLOCK_K] (weights are never written: the kernel before may still run),
-    then waits for that kernel; x, the scales, the scratch and y are read only after. Returns
-    (the slice, its columns, their mask)."""
-    triton_pdl.gdc_launch_dependents()
+def _first_slice_then_wait(w_rows, nmask, k_lo, k_hi, rk, PDL: tl.constexpr):
+    """With PDL (kernels/pdl.py): lets the next kernel launch (PDL 1, early; PDL 2 does after
+    its K loop), loads this program's first weight slice [BLOCK_N, BLOCK_K] (weights are never
+    written: the kernel before may still run), then waits for that kernel; x, the scales, the
+    scratch and y are read only after. Returns (the slice, its columns, their mask)."""
+    if PDL == 1:
+        triton_pdl.gdc_launch_dependents()
     cols = k_lo + rk
     kmask = cols < k_hi
     w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
@@ -95,7 +96,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, N, K, 
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_lo, k_hi = _k_range(K, k_split, SPLIT)
     if PDL:  # (kernels/pdl.py) the first weight slice while the kernel before still runs
-        w, cols, kmask = _first_slice_then_wait(w_rows, nmask, k_lo, k_hi, rk)
+        w, cols, kmask = _first_slice_then_wait(w_rows, nmask, k_lo, k_hi, rk, PDL)
         x = tl.load(x_ptr + cols, mask=kmask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         k_lo += BLOCK_K
@@ -111,6 +112,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, N, K, 
             w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                         eviction_policy="evict_first")
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if PDL == 2:
+        triton_pdl.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     last = True
     if SPLIT > 1:
@@ -150,7 +153,7 @@ def _rows_fp8_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, M,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo, k_hi = _k_range(K, k_split, SPLIT)
     if PDL:  # (kernels/pdl.py) the first weight slice while the kernel before still runs
-        w, cols, kmask = _first_slice_then_wait(w_rows, nmask, k_lo, k_hi, rk)
+        w, cols, kmask = _first_slice_then_wait(w_rows, nmask, k_lo, k_hi, rk, PDL)
         x = tl.load(x_rows + cols[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         acc = _rows_dot(x, w, acc, FP8_DOT)
         k_lo += BLOCK_K
@@ -166,6 +169,8 @@ def _rows_fp8_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, part_ptr, lock_ptr, M,
             w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                         eviction_policy="evict_first")
         acc = _rows_dot(x, w, acc, FP8_DOT)
+    if PDL == 2:
+        triton_pdl.gdc_launch_dependents()
     omask = mmask[:, None] & nmask[None, :]
     last = True
     if SPLIT > 1:
@@ -258,7 +263,7 @@ def _launch_gemv(x, weight, out, xs, ws, n: int, k: int, config: tuple, scaled: 
     _gemv_kernel[(triton.cdiv(n, bn), split)](
         x, weight, out, xs, ws, part, locks, n, k, weight.stride(0), k_split, BLOCK_N=bn,
         BLOCK_K=bk, EVEN_K=k % bk == 0, SCALED=scaled, SPLIT=split, num_warps=warps,
-        num_stages=stages, **pdl.launch_args(out.device))
+        num_stages=stages, **pdl.product_args(out.device))
 
 
 def gemv_fp8(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
@@ -321,7 +326,7 @@ def rows_fp8(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
         q, weight, out, scale, weight_scale, part, locks, m, n, k, q.stride(0),
         weight.stride(0), out.stride(0), k_split, BLOCK_M=row_band(m), BLOCK_N=bn, BLOCK_K=bk,
         EVEN_K=k % bk == 0, FP8_DOT=bool(fp8_dot), SPLIT=split, num_warps=warps,
-        num_stages=stages, **pdl.launch_args(out.device))
+        num_stages=stages, **pdl.product_args(out.device))
     return out
 
 
