@@ -57,7 +57,7 @@ def main() -> None:
     if variants[0] != "A" or not set(variants) <= set(VARIANTS):
         raise SystemExit(f"--variants: A first, then any of {', '.join(VARIANTS)}")
     products = pdl.PRODUCTS
-    pdl.ENABLED = False
+    pdl.MAX_ROWS = 0
     weights = {p: [quantize_fp8_per_channel(torch.randn(n, k, device=dev) * 0.02)
                    for _ in range(WEIGHTS)] for p, (n, k) in SHAPES.items()}
     norm = torch.rand(H, device=dev).to(torch.bfloat16) + 0.5
@@ -103,7 +103,7 @@ def main() -> None:
 
         graphs, outs = {}, {}
         for name in variants:
-            pdl.ENABLED = name != "A"
+            pdl.MAX_ROWS = 0 if name == "A" else pdl.ALL_ROWS
             pdl.PRODUCTS = VARIANTS[name]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -113,7 +113,7 @@ def main() -> None:
             graphs[name] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graphs[name]):
                 outs[name] = step()
-        pdl.ENABLED, pdl.PRODUCTS = False, products
+        pdl.MAX_ROWS, pdl.PRODUCTS = 0, products
         times: dict[str, list[float]] = {name: [] for name in variants}
         for name in variants + variants[::-1]:
             graphs[name].replay()

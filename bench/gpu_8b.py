@@ -484,13 +484,14 @@ def main() -> None:
     ap.add_argument("--split-k", action="store_true",
                     help="the start-up choice also times the split-K GEMV / rows_fp8 configs "
                          "(as BUCKETSERVE_SPLIT_K=1 does for the server)")
-    ap.add_argument("--pdl", action="store_true",
-                    help="the FP8 decode kernels launch with programmatic dependent launch "
-                         "(as BUCKETSERVE_PDL=1 does for the server; kernels/pdl.py)")
+    ap.add_argument("--pdl", default="",
+                    help="the steps whose decode kernels launch with programmatic dependent "
+                         "launch: auto, off, all or at most N rows (as BUCKETSERVE_PDL does "
+                         "for the server, whose value it takes when not given; kernels/pdl.py)")
     args = ap.parse_args()
+    from bucketserve.kernels import pdl
     if args.pdl:
-        from bucketserve.kernels import pdl
-        pdl.ENABLED = True
+        pdl.MAX_ROWS = pdl.max_rows(args.pdl)
     if args.split_k:
         from bucketserve.kernels import triton_gemv
         triton_gemv.SPLIT_MAX_N = triton_gemv.SPLIT_OUTPUTS
@@ -519,7 +520,8 @@ def main() -> None:
                   "argv": sys.argv[1:], "blas": args.blas or "default",
                   "fp8_decode": args.fp8_decode or "default",
                   "fp8_rows": not args.no_fp8_rows, "fp8_fast_accum": args.fp8_fast_accum,
-                  "split_k": args.split_k, "pdl": args.pdl}
+                  "split_k": args.split_k, "pdl_max_rows": pdl.MAX_ROWS,
+                  "pdl_products": pdl.PRODUCTS}
     bw = gt.copy_bandwidth_gbs()
     RES["env"]["copy_bw_gbs"] = bw
 

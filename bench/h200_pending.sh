@@ -148,8 +148,8 @@ defer)
   ;;
 pdl)
   # programmatic dependent launch (kernels/pdl.py): its GPU tests, the 32-layer FP8 chain
-  # without and with it (bench/fp8_pdl_gpu.py), then the 8B decode step A B B A (--pdl; E*:
-  # --pdl with the products' early trigger)
+  # without and with it (bench/fp8_pdl_gpu.py), then the 8B decode step A B B A (A: --pdl off,
+  # B: auto, the default; L*: all; E*: all with the products' early trigger)
   if [ "${T_TESTS:-150}" != 0 ]; then  # T_TESTS=0: the second call, runs only
     timeout "${T_TESTS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_gemv_gpu.py tests/test_fp8_gpu.py -k "pdl or split or rows_match" \
@@ -160,7 +160,8 @@ pdl)
     save
   fi
   for r in ${ORDER:-A1 B1 B2 A2}; do
-    f=""; e=late; case $r in B*) f=--pdl;; E*) f=--pdl; e=early;; esac
+    f="--pdl off"; e=late
+    case $r in B*) f="--pdl auto";; L*) f="--pdl all";; E*) f="--pdl all"; e=early;; esac
     echo "== $r $(date +%T)"
     BUCKETSERVE_PDL_PRODUCTS=$e timeout "${T_RUN:-130}" python3 bench/gpu_8b.py --out "$O/$r" --modes fp8kv --requests "" \
       --batches 1,16,64,256 $f > "$O/$r.log" 2>&1

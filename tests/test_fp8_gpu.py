@@ -282,16 +282,17 @@ def test_fp8_engine_with_deferred_products_in_every_band(tiny, references, tmp_p
 def test_fp8_engine_with_pdl_gives_the_tokens_it_gives_without(tiny, tmp_path, monkeypatch):
     """The FP8 engine (weights and KV) with its decode kernels launched with programmatic
     dependent launch (kernels/pdl.py: quantizers, one-row and few-row products, rotary, K/V
-    write, decode attention), through the decode graphs and mixed graphs: the same greedy
-    tokens as without it. `[decode] gemv = "on"` takes the kernels without timing them, so
+    write, decode attention) at every row count (BUCKETSERVE_PDL=all), through the decode
+    graphs and mixed graphs: the same greedy tokens as with it off. `[decode] gemv = "on"` takes the kernels without timing them, so
     both engines run the same kernels and only PDL differs."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     from bucketserve.kernels import pdl
 
     toml = '[decode]\ngemv = "on"\n'
+    monkeypatch.setattr(pdl, "MAX_ROWS", 0)
     want, _ = run(tiny, tmp_path, "fp8", "fp8", toml=toml)
-    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "MAX_ROWS", pdl.ALL_ROWS)
     got, engine = run(tiny, tmp_path, "fp8", "fp8", toml=toml)
     assert engine.runner.num_graph_steps > 0
     layer = engine.runner.model.model.layers[0]

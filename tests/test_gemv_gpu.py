@@ -354,9 +354,10 @@ def test_pdl_chain_gives_the_same_bits_eager_and_in_a_cuda_graph(monkeypatch, m)
         x.copy_(torch.randn(m, h, device="cuda", generator=gen).to(torch.bfloat16))
         res.copy_(torch.randn(m, h, device="cuda", generator=gen).to(torch.bfloat16))
 
+    monkeypatch.setattr(pdl, "MAX_ROWS", 0)
     want = chain()  # also sizes the split scratch before the capture
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    assert pdl.use_pdl(x.device)
+    monkeypatch.setattr(pdl, "MAX_ROWS", pdl.ALL_ROWS)
+    assert pdl.use_pdl(x.device, m)
     assert torch.equal(chain(), want)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -365,8 +366,8 @@ def test_pdl_chain_gives_the_same_bits_eager_and_in_a_cuda_graph(monkeypatch, m)
     for step in range(5):
         fresh()
         g.replay()
-        monkeypatch.setattr(pdl, "ENABLED", False)
+        monkeypatch.setattr(pdl, "MAX_ROWS", 0)
         ref = chain()
-        monkeypatch.setattr(pdl, "ENABLED", True)
+        monkeypatch.setattr(pdl, "MAX_ROWS", pdl.ALL_ROWS)
         torch.cuda.synchronize()
         assert torch.equal(out, ref), step

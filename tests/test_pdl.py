@@ -1,38 +1,65 @@
-"""When the decode kernels launch with programmatic dependent launch (kernels/pdl.py): only with
-BUCKETSERVE_PDL=1, only on CUDA devices of compute capability 9.0 and above, never under
-Triton's interpreter. The kernels' own behaviour with it: tests/test_gemv_interp.py,
-tests/test_fp8_interp.py and, compiled, tests/test_gemv_gpu.py."""
+"""When the decode kernels launch with programmatic dependent launch (kernels/pdl.py): steps of at
+most BUCKETSERVE_PDL's rows (4 unless set), only on CUDA devices of compute capability 9.0 and
+above, never under Triton's interpreter. The kernels' own behaviour with it:
+tests/test_gemv_interp.py, tests/test_fp8_interp.py and, compiled, tests/test_gemv_gpu.py."""
 
 from __future__ import annotations
 
 import importlib
 
+import pytest
 import torch
 
 
-def test_pdl_is_off_unless_asked_for_and_the_device_can(monkeypatch):
+@pytest.mark.parametrize("value, rows", [(None, 4), ("auto", 4), ("off", 0), ("0", 0),
+                                         ("ALL", 1 << 30), ("16", 16), (" 2 ", 2)])
+def test_pdl_rows_from_the_environment(monkeypatch, value, rows):
     from bucketserve.kernels import pdl
 
-    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
-    assert importlib.reload(pdl).ENABLED is False
-    assert pdl.launch_args(torch.device("cuda", 0)) == {"PDL": False}
-
-    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    if value is None:
+        monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(pdl.PDL_ENV, value)
     try:
-        assert importlib.reload(pdl).ENABLED is True
-        assert pdl.launch_args(torch.device("cpu")) == {"PDL": False}
-        capability = {0: (9, 0), 1: (8, 9)}
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: capability[i])
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-        assert pdl.launch_args(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
-        assert pdl.use_pdl(torch.device("cuda", 1)) is False  # Ada: no griddepcontrol
-        assert pdl.use_pdl(torch.device("cuda")) is False  # the current device, 1
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert pdl.use_pdl(torch.device("cuda", 0)) is False
+        assert importlib.reload(pdl).MAX_ROWS == rows
     finally:  # the module as the other tests found it
-        monkeypatch.delenv(pdl.PDL_ENV)
+        monkeypatch.delenv(pdl.PDL_ENV, raising=False)
         importlib.reload(pdl)
+
+
+@pytest.mark.parametrize("value", ["on", "yes", "-1", "1.5"])
+def test_a_bad_pdl_value_is_refused_with_the_values_it_takes(value):
+    from bucketserve.kernels import pdl
+
+    with pytest.raises(ValueError, match="auto, off, all or a number of rows"):
+        pdl.max_rows(value)
+
+
+def test_pdl_only_for_few_rows_on_a_device_that_can(monkeypatch):
+    from bucketserve.kernels import pdl
+
+    capability = {0: (9, 0), 1: (8, 9)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: capability[i])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(pdl, "_CAPABLE", {})
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(pdl, "MAX_ROWS", 4)
+    hopper = torch.device("cuda", 0)
+    assert pdl.launch_args(hopper, 1) == pdl.launch_args(hopper, 4) == {"PDL": True,
+                                                                        "launch_pdl": True}
+    assert pdl.launch_args(hopper, 5) == {"PDL": False}
+    assert pdl.product_args(hopper, 4) == {"PDL": pdl.PRODUCT_MODES[pdl.PRODUCTS],
+                                           "launch_pdl": True}
+    assert pdl.product_args(hopper, 64) == {"PDL": 0}
+    assert pdl.launch_args(torch.device("cpu"), 1) == {"PDL": False}
+    assert pdl.use_pdl(torch.device("cuda", 1), 1) is False  # Ada: no griddepcontrol
+    assert pdl.use_pdl(torch.device("cuda"), 1) is False  # the current device, 1
+    monkeypatch.setattr(pdl, "MAX_ROWS", 0)
+    assert pdl.launch_args(hopper, 1) == {"PDL": False}
+    monkeypatch.setattr(pdl, "MAX_ROWS", pdl.ALL_ROWS)
+    assert pdl.use_pdl(hopper, 512) is True
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl.use_pdl(hopper, 1) is False
 
 
 def test_compiled_kernels_wait_before_their_first_dependent_access():

@@ -50,9 +50,9 @@ def pdl_on(monkeypatch, products: str = "late") -> list[str]:
     from bucketserve.kernels import pdl, triton_pdl
 
     calls: list[str] = []
-    monkeypatch.setattr(pdl, "launch_args", lambda device: {"PDL": True})
+    monkeypatch.setattr(pdl, "launch_args", lambda device, rows: {"PDL": True})
     mode = pdl.PRODUCT_MODES[products]
-    monkeypatch.setattr(pdl, "product_args", lambda device: {"PDL": mode})
+    monkeypatch.setattr(pdl, "product_args", lambda device, rows: {"PDL": mode})
     monkeypatch.setattr(triton_pdl, "gdc_wait", lambda: calls.append("wait"))
     monkeypatch.setattr(triton_pdl, "gdc_launch_dependents", lambda: calls.append("launch"))
     return calls

@@ -13,10 +13,13 @@ without it (torch's, cuBLAS's) is ordered as usual, so mixing the two is safe. T
 kernels/triton_fp8's quantizers, kernels/triton_gemv's products, triton_fused.apply_rotary,
 triton_attention's K/V write, decode and split merge (their device side: triton_pdl.py).
 
-An experiment, off by default: BUCKETSERVE_PDL=1 turns it on for devices of compute capability
-9.0 and above (never under Triton's interpreter, which has no griddepcontrol). The outputs are
-bit for bit those without it (the same sums in the same order): tests/test_gemv_gpu.py,
-tests/test_fp8_gpu.py.
+On by default for the steps that it was measured to speed up: steps of at most `AUTO_MAX_ROWS`
+(4) rows, on devices of compute capability 9.0 and above (never under Triton's interpreter,
+which has no griddepcontrol). On an H100 the 8B shape's 32-layer FP8 chain ran 1.06x faster
+at 1-4 rows and 2.5-6% slower at 6-32 rows; the 8B decode step at batch 1 1.08-1.09x
+(docs/quantization.md). `BUCKETSERVE_PDL` sets the rows: `auto` (unset), `off` (or 0), `all`,
+or a number N (steps of at most N rows). The outputs are bit for bit those without it (the
+same sums in the same order): tests/test_gemv_gpu.py, tests/test_fp8_gpu.py.
 """
 
 from __future__ import annotations
@@ -26,15 +29,32 @@ import os
 import torch
 
 PDL_ENV = "BUCKETSERVE_PDL"
-# read at import; bench/gpu_8b.py --pdl and bench/fp8_pdl_gpu.py set it directly
-ENABLED = os.environ.get(PDL_ENV, "") == "1"
+AUTO_MAX_ROWS = 4
+ALL_ROWS = 1 << 30
+
+
+def max_rows(value: str | None) -> int:
+    """The most rows a step may have for its kernels to launch with PDL, from BUCKETSERVE_PDL's
+    value (None: unset); ValueError names the values it takes."""
+    value = (value or "auto").strip().lower()
+    named = {"auto": AUTO_MAX_ROWS, "off": 0, "all": ALL_ROWS}
+    if value in named:
+        return named[value]
+    if value.isdigit():
+        return int(value)
+    raise ValueError(f"{PDL_ENV}={value!r}: auto, off, all or a number of rows")
+
+
+# read at import; bench/gpu_8b.py --pdl ROWS and bench/fp8_pdl_gpu.py set it directly
+MAX_ROWS = max_rows(os.environ.get(PDL_ENV))
 _CAPABLE: dict[int, bool] = {}
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: ENABLED, a CUDA device of compute
-    capability >= 9.0, and not Triton's interpreter."""
-    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+def use_pdl(device: torch.device, rows: int) -> bool:
+    """Whether a kernel of a step of `rows` rows (tokens) on `device` launches with PDL: at
+    most MAX_ROWS rows, a CUDA device of compute capability >= 9.0, not Triton's
+    interpreter."""
+    if rows > MAX_ROWS or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     ok = _CAPABLE.get(index)
@@ -58,13 +78,13 @@ _PRODUCT = {"off": {"PDL": 0}, "early": {"PDL": 1, "launch_pdl": True},
             "late": {"PDL": 2, "launch_pdl": True}}
 
 
-def launch_args(device: torch.device) -> dict:
+def launch_args(device: torch.device, rows: int) -> dict:
     """The keyword arguments of a PDL-capable kernel's launch (spread into it, never changed):
-    its PDL constexpr and, when on, Triton's `launch_pdl` option."""
-    return _ON if use_pdl(device) else _OFF
+    its PDL constexpr and, when on (`use_pdl`), Triton's `launch_pdl` option."""
+    return _ON if use_pdl(device, rows) else _OFF
 
 
-def product_args(device: torch.device) -> dict:
+def product_args(device: torch.device, rows: int) -> dict:
     """`launch_args` of a product kernel (kernels/triton_gemv): its PDL constexpr is the
     PRODUCTS mode's number (0 off, 1 early, 2 late)."""
-    return _PRODUCT[PRODUCTS] if use_pdl(device) else _PRODUCT["off"]
+    return _PRODUCT[PRODUCTS] if use_pdl(device, rows) else _PRODUCT["off"]

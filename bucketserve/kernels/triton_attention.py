@@ -298,7 +298,7 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, PAGE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
-        FP8=k_cache.dtype == FP8_DTYPE, **pdl.launch_args(k.device))
+        FP8=k_cache.dtype == FP8_DTYPE, **pdl.launch_args(k.device, t))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -352,12 +352,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, HEAD_DIM=d, PAGE=k_cache.shape[1], NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         PRECISION=_precision(q.dtype), DEVICE_COUNT=device_count is not None, F16_DOT=f16,
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(q.device))
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(q.device, num_decodes))
     if num_splits > 1:
         _merge_splits_kernel[(num_decodes, hq)](
             part_o, part_ml, out, out.stride(0), out.stride(1),
             HEAD_DIM=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d, **pdl.launch_args(q.device))
+            BLOCK_D=block_d, **pdl.launch_args(q.device, num_decodes))
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -149,10 +149,11 @@ def _outputs(t: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.
             torch.empty((t, 1), dtype=torch.float32, device=device))
 
 
-def _launch_args(n: int, static_scale: torch.Tensor | None, device: torch.device) -> dict:
+def _launch_args(t: int, n: int, static_scale: torch.Tensor | None, device: torch.device
+                 ) -> dict:
     block = triton.next_power_of_2(n)
     return {"STATIC": static_scale is not None, "BLOCK": block,
-            "num_warps": min(16, max(1, block // 256)), **pdl.launch_args(device)}
+            "num_warps": min(16, max(1, block // 256)), **pdl.launch_args(device, t)}
 
 
 def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None
@@ -164,7 +165,7 @@ def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None
         assert x.stride(1) == 1
         _quant_rows_kernel[(t,)](x, q, s, static_scale if static_scale is not None else s,
                                  x.stride(0), q.stride(0), n,
-                                 **_launch_args(n, static_scale, x.device))
+                                 **_launch_args(t, n, static_scale, x.device))
     return q, s
 
 
@@ -187,7 +188,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x, r, weight, q, s, ro, static_scale if static_scale is not None else s, rs, cs,
             x.stride(0), r.stride(0), q.stride(0), ro.stride(0), n, eps,
             HAS_RESIDUAL=residual is not None, SCALED=scales is not None,
-            **_launch_args(n, static_scale, x.device))
+            **_launch_args(t, n, static_scale, x.device))
     return (q, s), res_out
 
 
@@ -210,10 +211,10 @@ def silu_and_mul_quant(x: torch.Tensor, static_scale: torch.Tensor | None = None
             _silu_mul_quant_chunked_kernel[(t,)](
                 x, q, s, static_scale if static_scale is not None else s, rs, cs, x.stride(0),
                 q.stride(0), n, STATIC=static_scale is not None, SCALED=scales is not None,
-                CHUNK=chunked[0], num_warps=chunked[1], **pdl.launch_args(x.device))
+                CHUNK=chunked[0], num_warps=chunked[1], **pdl.launch_args(x.device, t))
             return q, s
         _silu_mul_quant_kernel[(t,)](x, q, s, static_scale if static_scale is not None else s,
                                      rs, cs, x.stride(0), q.stride(0), n,
                                      SCALED=scales is not None,
-                                     **_launch_args(n, static_scale, x.device))
+                                     **_launch_args(t, n, static_scale, x.device))
     return q, s

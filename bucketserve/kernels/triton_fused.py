@@ -129,7 +129,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                          cos_sin_cache.stride(0), NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv,
                          HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq),
                          BLOCK_HKV=triton.next_power_of_2(hkv),
-                         BLOCK_HALF=triton.next_power_of_2(d // 2), **pdl.launch_args(q.device))
+                         BLOCK_HALF=triton.next_power_of_2(d // 2), **pdl.launch_args(q.device, t))
     return q_out, k_out
 
 

@@ -263,7 +263,7 @@ def _launch_gemv(x, weight, out, xs, ws, n: int, k: int, config: tuple, scaled: 
     _gemv_kernel[(triton.cdiv(n, bn), split)](
         x, weight, out, xs, ws, part, locks, n, k, weight.stride(0), k_split, BLOCK_N=bn,
         BLOCK_K=bk, EVEN_K=k % bk == 0, SCALED=scaled, SPLIT=split, num_warps=warps,
-        num_stages=stages, **pdl.product_args(out.device))
+        num_stages=stages, **pdl.product_args(out.device, 1))
 
 
 def gemv_fp8(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
@@ -326,7 +326,7 @@ def rows_fp8(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
         q, weight, out, scale, weight_scale, part, locks, m, n, k, q.stride(0),
         weight.stride(0), out.stride(0), k_split, BLOCK_M=row_band(m), BLOCK_N=bn, BLOCK_K=bk,
         EVEN_K=k % bk == 0, FP8_DOT=bool(fp8_dot), SPLIT=split, num_warps=warps,
-        num_stages=stages, **pdl.product_args(out.device))
+        num_stages=stages, **pdl.product_args(out.device, m))
     return out
 
 
