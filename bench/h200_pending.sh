@@ -21,7 +21,7 @@
 #                                                # (BUCKETSERVE_FP8_DEFER=0) and on (~9 min)
 #   PART=pdl        bash bench/h200_pending.sh   # issue 28: programmatic dependent launch,
 #                                                # its tests, bench/fp8_pdl_gpu.py and the 8B
-#                                                # decode step A B B A with --pdl (~10 min:
+#                                                # decode step A B B A, --pdl off / auto (~10 min:
 #                                                # ORDER="A1 B1" then "B2 A2" in two calls)
 #   PART=tuner      bash bench/h200_pending.sh   # issue 28 must-show 5: the bucket tuner, prefix
 #                                                # caching off, closed runs of 64-token outputs,
@@ -155,7 +155,7 @@ pdl)
       tests/test_gemv_gpu.py tests/test_fp8_gpu.py -k "pdl or split or rows_match" \
       > "$O/pytest.log" 2>&1
     tail -2 "$O/pytest.log"
-    timeout 200 python3 bench/fp8_pdl_gpu.py --rows 1,16,32,64 --out "$O/pdl.json" 2>&1 \
+    timeout 200 python3 bench/fp8_pdl_gpu.py --rows 1,2,4,8,16,32,64 --out "$O/pdl.json" 2>&1 \
       | tee "$O/pdl.log" | cut -c1-200
     save
   fi
@@ -164,7 +164,7 @@ pdl)
     case $r in B*) f="--pdl auto";; L*) f="--pdl all";; E*) f="--pdl all"; e=early;; esac
     echo "== $r $(date +%T)"
     BUCKETSERVE_PDL_PRODUCTS=$e timeout "${T_RUN:-130}" python3 bench/gpu_8b.py --out "$O/$r" --modes fp8kv --requests "" \
-      --batches 1,16,64,256 $f > "$O/$r.log" 2>&1
+      --batches 1,2,4,8,64 $f > "$O/$r.log" 2>&1
     grep -h "^decode" "$O/$r.log"
     save
   done
