@@ -33,6 +33,12 @@ def test_a_bad_pdl_value_is_refused_with_the_values_it_takes(value):
 
     with pytest.raises(ValueError, match="auto, off, all or a number of rows"):
         pdl.max_rows(value)
+    with pytest.raises(ValueError, match="BUCKETSERVE_PDL=.*auto, off, all"):
+        pdl.check_environment({pdl.PDL_ENV: value})
+    with pytest.raises(ValueError, match="BUCKETSERVE_PDL_PRODUCTS=.*off, early, late"):
+        pdl.check_environment({pdl.PRODUCTS_ENV: value})
+    pdl.check_environment({pdl.PDL_ENV: "8", pdl.PRODUCTS_ENV: "Early"})
+    pdl.check_environment({})
 
 
 def test_pdl_only_for_few_rows_on_a_device_that_can(monkeypatch):
@@ -111,3 +117,15 @@ def test_compiled_kernels_wait_before_their_first_dependent_access():
         assert "store" in after, name
     for name, seq in compiled("--no-pdl").items():
         assert "launch" not in seq and "wait" not in seq, name
+
+
+@pytest.mark.parametrize("name", ["BUCKETSERVE_PDL", "BUCKETSERVE_PDL_PRODUCTS"])
+def test_serve_refuses_a_bad_pdl_value_before_starting(name, monkeypatch, capsys):
+    """On the CPU too, where kernels/pdl is never imported: one line, exit status 2."""
+    pytest.importorskip("fastapi")  # the server's own dependency (absent on the GPU image)
+    from bucketserve.server.cli import main
+
+    monkeypatch.setenv(name, "sometimes")
+    assert main(["serve", "--device", "cpu", "--embedding-model", "none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"bucketserve: error: {name}='sometimes'") and "\n" not in err

@@ -70,9 +70,28 @@ def use_pdl(device: torch.device, rows: int) -> bool:
 # launched without PDL, the short kernels with it); an experiment knob
 PRODUCTS_ENV = "BUCKETSERVE_PDL_PRODUCTS"
 PRODUCT_MODES = {"off": 0, "early": 1, "late": 2}
-PRODUCTS = os.environ.get(PRODUCTS_ENV, "late")
-if PRODUCTS not in PRODUCT_MODES:
-    raise ValueError(f"{PRODUCTS_ENV}={PRODUCTS!r}: one of {', '.join(PRODUCT_MODES)}")
+
+
+def product_mode(value: str | None) -> str:
+    """BUCKETSERVE_PDL_PRODUCTS's value (None: unset, late) checked; ValueError names the
+    values it takes."""
+    mode = (value or "late").strip().lower()
+    if mode not in PRODUCT_MODES:
+        raise ValueError(f"{PRODUCTS_ENV}={value!r}: one of {', '.join(PRODUCT_MODES)}")
+    return mode
+
+
+PRODUCTS = product_mode(os.environ.get(PRODUCTS_ENV))
+
+
+def check_environment(environ: dict[str, str] | None = None) -> None:
+    """Raises ValueError (one line, the variable and the values it takes) for a value of
+    BUCKETSERVE_PDL or BUCKETSERVE_PDL_PRODUCTS that this module would refuse at import:
+    `bucketserve serve` asks before it starts a process (on the CPU too, where the module is
+    never imported)."""
+    env = os.environ if environ is None else environ
+    max_rows(env.get(PDL_ENV))
+    product_mode(env.get(PRODUCTS_ENV))
 
 _ON = {"PDL": True, "launch_pdl": True}
 _OFF = {"PDL": False}
