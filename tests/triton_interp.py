@@ -44,7 +44,7 @@ def interpreted_triton() -> None:
 
 
 def pdl_on(monkeypatch, products: str = "late") -> list[str]:
-    """Kernels launched as with BUCKETSERVE_PDL=1 on a Hopper GPU (their PDL constexpr on; the
+    """Kernels launched as with BUCKETSERVE_PDL=all on a Hopper GPU (their PDL constexpr on; the
     products' as BUCKETSERVE_PDL_PRODUCTS=`products` sets it), with the griddepcontrol calls,
     which the interpreter cannot run, recorded instead (in order, one entry a call)."""
     from bucketserve.kernels import pdl, triton_pdl
