@@ -93,6 +93,7 @@ def check_environment(environ: dict[str, str] | None = None) -> None:
     max_rows(env.get(PDL_ENV))
     product_mode(env.get(PRODUCTS_ENV))
 
+
 _ON = {"PDL": True, "launch_pdl": True}
 _OFF = {"PDL": False}
 _PRODUCT = {"off": {"PDL": 0}, "early": {"PDL": 1, "launch_pdl": True},

@@ -69,9 +69,11 @@ def resolve_api_workers(args: argparse.Namespace) -> None:
 def serve(args: argparse.Namespace, seams: Seams | None = None) -> int:
     from bucketserve.buckets import ConfigError, load_buckets
     from bucketserve.engine.core_client import CoreStartError
+    from bucketserve.kernels import pdl
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from installed packages only
     try:
+        pdl.check_environment()  # (read where the kernels load: in the core, on a GPU)
         check_quantization(args)
         prepare_cpu(args)
     except (ConfigError, FileNotFoundError, ValueError) as exc:

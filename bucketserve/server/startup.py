@@ -28,16 +28,13 @@ def check_quantization(args: argparse.Namespace) -> None:
     --kv-cache-dtype, or the buckets file's keys) on the CPU, the CPU weight formats (q4_1,
     int8) on CUDA or off float32, and q4_1 for a model that is not a GGUF of Q4_1 projections
     (models/loader.quantization_refusal). On a GPU the core process checks the device's
-    compute capability for FP8 (kernels/quant.resolve_quant_plan). Also refuses a bad
-    BUCKETSERVE_PDL / BUCKETSERVE_PDL_PRODUCTS (kernels/pdl.check_environment)."""
+    compute capability for FP8 (kernels/quant.resolve_quant_plan)."""
     from bucketserve.buckets import load_buckets
-    from bucketserve.kernels import pdl
     from bucketserve.kernels.cpu_quant import CPU_MODES
     from bucketserve.kernels.quant import resolve_quant_plan
     from bucketserve.models.loader import quantization_refusal
     from bucketserve.models.registry import resolve
 
-    pdl.check_environment()
     b = load_buckets(args.buckets)
     quantization = args.quantization or b.quantization
     if args.device == "cuda" and quantization not in CPU_MODES:
