@@ -37,3 +37,24 @@ gguf_piece() {
     echo "gguf: pieces so far: $(ls /tmp/gguf | tr '\n' ' ')"
   fi
 }
+# vLLM's site in pieces (bench/vllm_parts.sh): one call per piece, back to back, each with
+# `carry: [".gpuparts/vN"]`; `vllm_piece N` keeps piece N in /tmp/vparts and, once all are
+# there (the last carries their count and sum), joins and unpacks them into $VLLM_SITE
+export VLLM_SITE=/tmp/vsite/site
+vllm_piece() {
+  mkdir -p /tmp/vparts && cp "$R/.gpuparts/v$1/piece" /tmp/vparts/p$1
+  for f in sha256 count; do
+    [ -f "$R/.gpuparts/v$1/$f" ] && cp "$R/.gpuparts/v$1/$f" /tmp/vparts/$f
+  done
+  [ -f /tmp/vparts/count ] || { echo "vllm: pieces so far: $(ls /tmp/vparts | tr '\n' ' ')"; return 0; }
+  local n i parts=()
+  n=$(cat /tmp/vparts/count)
+  for ((i = 0; i < n; i++)); do
+    [ -f /tmp/vparts/p$i ] || { echo "vllm: piece $i missing"; return 0; }
+    parts+=(/tmp/vparts/p$i)
+  done
+  [ "$(cat "${parts[@]}" | sha256sum | cut -d' ' -f1)" = "$(cat /tmp/vparts/sha256)" ] \
+    || { echo "vllm: checksum differs"; return 1; }
+  rm -rf /tmp/vsite && mkdir -p /tmp/vsite && cat "${parts[@]}" | xz -d | tar x -C /tmp/vsite \
+    && echo "vllm: unpacked into $VLLM_SITE ($(du -sh /tmp/vsite | cut -f1))"
+}

@@ -23,6 +23,9 @@
 #                                                # its tests, bench/fp8_pdl_gpu.py and the 8B
 #                                                # decode step A B B A, --pdl off / auto (~10 min:
 #                                                # ORDER="A1 B1" then "B2 A2" in two calls)
+#   PART=served     bash bench/h200_pending.sh   # issue 28 must-show 3: the 8B shape served,
+#                                                # vLLM --quantization fp8 then ours (needs
+#                                                # bench/vllm_parts.sh's pieces first, ~8 min)
 #   PART=tuner      bash bench/h200_pending.sh   # issue 28 must-show 5: the bucket tuner, prefix
 #                                                # caching off, closed runs of 64-token outputs,
 #                                                # then A B B A rounds (~9 min)
@@ -36,7 +39,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_setup.sh || exit 1
-PARTS_=${PART:?set PART to tests, structured, gemm, fp8, defer, pdl, accuracy or tuner}
+PARTS_=${PART:?set PART to tests, structured, gemm, fp8, defer, pdl, accuracy, served or tuner}
 REPEATS=${REPEATS:-3}
 # tar exits 1 when a file changed while it read it (a server's log): the archive is still good
 save() { tar czf "/tmp/pending/$PART.tgz" -C /tmp/pending "$PART"; [ $? -le 1 ] && mv "/tmp/pending/$PART.tgz" "$OUT/"; }
@@ -174,6 +177,19 @@ accuracy)
   timeout "${T_RUN:-500}" python3 bench/fp8_accuracy_gpu.py --out "$O" --model "$GGUF" \
     --fp8-fast-accum > "$O/accuracy.log" 2>&1
   grep -h '"config"' "$O/accuracy.log" | cut -c1-240
+  ;;
+served)
+  # issue 28 must-show 3: vLLM's OpenAI server with --quantization fp8, then `bucketserve serve
+  # --device cuda --quantization fp8` (no --api-workers: the default), the 8B shape, 1,024
+  # streaming requests of gpu1024.jsonl, prefix caching off on both, closed loop, REPS runs
+  # per concurrency (CS, default "64 256") after a 64-request warm-up. Needs vLLM's site in
+  # $VLLM_SITE (bench/vllm_parts.sh, vllm_piece N in the calls before) and is about 8 minutes.
+  [ -d "$VLLM_SITE/vllm" ] || { echo "served: no vLLM in $VLLM_SITE (bench/vllm_parts.sh)"; exit 1; }
+  TOK=$TOK WORKLOAD=$R/.gpuassets/gpu1024.jsonl SHAPE=llama-8b CS="${CS:-64 256}" REPS=$REPEATS \
+    API_WORKERS=auto SKIP_OFFLINE=1 OUT=$O VLLM_ARGS="--quantization fp8" \
+    OURS_ARGS="--quantization fp8" LABEL_SUFFIX=_fp8 \
+    timeout "${T_RUN:-570}" bash bench/online_gpu_vs_vllm.sh 2>&1 | tail -6
+  save
   ;;
 tuner)
   OUT=$O PARTS=tune ABBA=2 CLOSED_RUNS=${CLOSED_RUNS:-3} OUT_LEN=${OUT_LEN:-64} \
