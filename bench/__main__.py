@@ -43,7 +43,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "embeddings_gpu_vs_vllm.sh", "embeddings_gpu_host_phases.py", "embedding_slo_sweep.py",
         "issue15_h200.sh")),
     ("Reliability", ("overload.py", "soak.py")),
-    ("The GPU machine", ("gpu_assets.sh", "gpu_setup.sh", "h200_pending.sh")),
+    ("The GPU machine", ("gpu_assets.sh", "gpu_setup.sh", "h200_pending.sh",
+                         "vllm_parts.sh")),
     ("The code itself", ("loc.py", "before_after_cpu.py")),
 )
 
