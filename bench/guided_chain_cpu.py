@@ -11,8 +11,11 @@ those parts of the real engine (the default model on the CPU, overlapped schedul
 detokenization as in the server's core), per step, after every sequence has reached decode:
 
   resolve          LLMEngine._resolve (the held one and any other)
-  accept           the guided rows' accepts inside it, on this thread (_accept_guided; since
-                   the accepts moved to the fill thread, _split_accepts: the stop tokens')
+  accept           the guided rows' accepts inside it, on this thread (_accept_guided; with
+                   BUCKETSERVE_OVERLAP_FILL=4, _thread_accepts: llguidance's rows, and
+                   handing xgrammar's to the fill thread)
+  accept_wait      (=4) the resolve waiting for the fill thread's accepts before it resolves
+                   the guided rows (ThreadAccepts.results)
   start_masks      handing the mask fill to its thread, inside it (LLMEngine._start_masks)
   schedule_ahead   LLMEngine._schedule_ahead: on_launched, the schedule and prepare_forward
   prepare_forward  ModelRunner.prepare_forward (StepInputs.fill and the path)
@@ -89,8 +92,10 @@ def main() -> None:
     eng.runner.prepare_forward = timed(eng.runner.prepare_forward, "prepare_forward")
     eng.scheduler.schedule = timed(eng.scheduler.schedule, "schedule")
     le._accept_guided = timed(le._accept_guided, "accept")
-    if hasattr(le, "_split_accepts"):  # (the stop tokens' accepts; the rest on the fill thread)
-        le._split_accepts = timed(le._split_accepts, "accept")
+    le._thread_accepts = timed(le._thread_accepts, "accept")
+    from bucketserve.engine.structured import ThreadAccepts
+
+    ThreadAccepts.results = timed(ThreadAccepts.results, "accept_wait")
     masks = eng.runner.sampler._grammar_masks()
     masks._take_pending = timed(masks._take_pending, "fill_wait")
     step = timed(eng.step_news, "step")
@@ -102,7 +107,8 @@ def main() -> None:
     per = {k: round(v / args.steps * 1e3, 3) for k, v in sorted(spent.items(), key=lambda x: -x[1])}
     report = {"rows": args.rows, "guided": args.rows // 2, "steps": args.steps,
               "backend": args.backend,
-              "schedule_ahead": eng.schedule_ahead, "running": eng.scheduler.num_running,
+              "schedule_ahead": eng.schedule_ahead,
+              "accepts_on_thread": eng.accepts_on_thread, "running": eng.scheduler.num_running,
               "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or
               platform.machine(), "ms_per_step": per}
     for k, v in per.items():

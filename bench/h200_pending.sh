@@ -100,7 +100,8 @@ structured)
   # on the cores AFFINITY names (default 0-5/6-15); X: E, T (default 4) and P at once; R, Q: B
   # and S, traced (one untimed run each); J, I: B and S with the core's GIL switch interval at
   # SWITCH_US microseconds (default 200; Python's is 5,000); L: the tree with the llguidance
-  # backend ([structured] backend = "llguidance")
+  # backend ([structured] backend = "llguidance"); V: the tree with the accepts on the fill
+  # thread (=4, an experiment since 2026-12-08)
   fill=BUCKETSERVE_OVERLAP_FILL sw=BUCKETSERVE_SWITCH_INTERVAL_US
   for run in ${ORDER:-A1 B1 B2 A2}; do
     case $run in
@@ -118,6 +119,7 @@ structured)
       J*) one "$run" "$R" $sw="${SWITCH_US:-200}" ;;
       I*) one "$run" "$R" $fill=3 $sw="${SWITCH_US:-200}" ;;
       L*) TOML=/tmp/ours_llg.toml one "$run" "$R" ;;
+      V*) one "$run" "$R" $fill=4 ;;
       *) one "$run" "$R" ;;
     esac
   done

@@ -307,6 +307,62 @@ def test_terminated_is_the_matchers_after_every_accept(small_compiler):
     assert st.terminated  # the document, then EOS
 
 
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "wrapper"])
+def test_accepts_on_the_fill_thread_equal_accepting_here(small_compiler, monkeypatch, raw):
+    """BUCKETSERVE_OVERLAP_FILL=4: a step's accepts handed to the fill thread
+    (structured.ThreadAccepts, run by GrammarMasks.start ahead of the fill) give each row the
+    answer and the `terminated` its own GrammarState.accept gives (a valid token, a rejected
+    one, EOS ending a document), they run on the fill thread, and the masks applied after them
+    equal those of accepting here first: a row whose grammar the accept ended is not masked.
+    Through xgrammar's batch accept without its Python wrapper (`raw`) and with it (where the
+    library lacks the former)."""
+    import threading
+
+    import torch
+
+    from bucketserve.engine import structured
+    from bucketserve.engine.structured import GrammarMasks, ThreadAccepts
+
+    if raw:
+        assert structured._RAW_BATCH_ACCEPT is not None  # (this xgrammar has it)
+    else:
+        monkeypatch.setattr(structured, "_RAW_BATCH_ACCEPT", None)
+
+    vocab, _ = small_compiler
+    texts = ["", "y", "ma", "mayb", "no", "ye"]
+    tokens = [vocab.ids("y")[0], vocab.ids("x")[0], vocab.ids("y")[0], vocab.ids("e")[0], 0,
+              vocab.ids("s")[0]]
+    here, there = ([small_state(small_compiler) for _ in texts] for _ in range(2))
+    for states in (here, there):
+        for st, text in zip(states, texts, strict=True):
+            for tok in vocab.ids(text):
+                assert st.accept(tok)
+    want = {j: st.accept(tok) for j, (st, tok) in enumerate(zip(here, tokens, strict=True))}
+    assert list(want.values()) == [True, False, True, True, True, True]
+    assert [st.terminated for st in here] == [False, False, False, False, True, False]
+
+    ran_on: list[str] = []
+
+    class Spied(ThreadAccepts):
+        def __call__(self):
+            ran_on.append(threading.current_thread().name)
+            super().__call__()
+
+    rows = list(range(6))
+    accepts = Spied(there, tokens, rows)
+    masks_there, masks_here = GrammarMasks(), GrammarMasks()
+    masks_there.start(rows, there, 6, 128, torch.device("cpu"), accepts)
+    assert accepts.results() == want and ran_on == ["grammar-fill"]
+    assert [st.terminated for st in there] == [st.terminated for st in here]
+    logits = torch.randn(6, 128, generator=torch.Generator().manual_seed(0))
+    got, ref = logits.clone(), logits.clone()
+    masks_there.apply(got, rows, there)
+    masks_here.apply(ref, rows, here)
+    assert torch.equal(got, ref)
+    assert torch.equal(got[4], logits[4])  # its grammar ended: left alone
+    assert not torch.equal(got[0], logits[0])
+
+
 @pytest.mark.parametrize("fill_threads", [None, "1", "3"])
 def test_grammar_masks_equal_one_row_at_a_time(small_compiler, fill_threads, monkeypatch):
     """GrammarMasks.apply over several steps (the same rows again, a new set of rows, a row whose
@@ -573,10 +629,10 @@ def test_mask_fill_on_a_thread_gives_the_same_tokens(loaded, monkeypatch):
     take = GrammarMasks._take_pending
 
     def spy(self, *args):
-        started = self._pending is not None
+        pending = self._pending
         got = take(self, *args)
-        if started:
-            taken.append(got is not None)
+        if pending is not None:  # (accepts_on_thread: a fill whose accepts ended every row
+            taken.append(got is not None or pending[4].rows == [])  # filled none)
         return got
 
     monkeypatch.setattr(GrammarMasks, "_take_pending", spy)
@@ -597,6 +653,19 @@ def test_mask_fill_on_a_thread_gives_the_same_tokens(loaded, monkeypatch):
         return accept(self, token)
 
     monkeypatch.setattr(GrammarState, "accept", count_accept)
+    from bucketserve.engine.structured import ThreadAccepts
+
+    on_thread: list[tuple[str, int]] = []  # accepts_on_thread: (the thread, rows) per batch
+    thread_accept = ThreadAccepts.__call__
+
+    def count_thread_accepts(self):
+        import threading
+
+        on_thread.append((threading.current_thread().name, len(self.tokens)))
+        accepts[0] += len(self.tokens)
+        return thread_accept(self)
+
+    monkeypatch.setattr(ThreadAccepts, "__call__", count_thread_accepts)
     from bucketserve.engine.runner import ModelRunner
 
     prepared_ahead = [0]  # schedule_ahead: steps prepared before the sampling of the one before
@@ -615,18 +684,20 @@ def test_mask_fill_on_a_thread_gives_the_same_tokens(loaded, monkeypatch):
                        guided=GuidedDecoding("choice", json.dumps(["red", "green", "blue"]))),
         SamplingParams(max_tokens=12, temperature=0)]
     outs, num_accepts = {}, {}
-    for mode in ("off", "fill", "early", "ahead"):
+    for mode in ("off", "fill", "early", "ahead", "thread"):
         eng = LLMEngine(loaded, buckets, "cpu", async_scheduling=True)
         eng.overlap_fill = mode != "off"
         eng.early_fill = mode == "early"
-        eng.schedule_ahead = mode == "ahead"
+        eng.schedule_ahead = mode in ("ahead", "thread")
+        eng.accepts_on_thread = mode == "thread"
         taken.clear()
         early_steps.clear()
+        on_thread.clear()
         accepts[0] = prepared_ahead[0] = 0
         outs[mode] = [(o.token_ids, o.finish_reason) for o in eng.generate(p, params)]
         num_accepts[mode] = accepts[0]
         if mode != "off":  # the steady guided steps took the fill started for them
-            assert len(taken) > 10 and all(taken), taken
+            assert len(taken) > 10 and all(taken), (mode, taken)
         else:
             assert taken == []
         if mode == "early":  # the steady steps accepted early, each step once
@@ -636,15 +707,22 @@ def test_mask_fill_on_a_thread_gives_the_same_tokens(loaded, monkeypatch):
             assert eng.early_fills == {"taken": len(early_steps), "missed": 0}
         else:
             assert early_steps == []
-        if mode == "ahead":  # the steady steps were prepared ahead of the sampling before
-            assert prepared_ahead[0] > 10
+        if mode in ("ahead", "thread"):  # the steady steps were prepared ahead of the sampling
+            assert prepared_ahead[0] > 10  # before
         else:
             assert prepared_ahead[0] == 0
+        if mode == "thread":  # the steady steps' accepts ran on the fill thread, in batches
+            assert len(on_thread) > 10
+            assert {name for name, _ in on_thread} == {"grammar-fill"}, on_thread
+            assert max(n for _, n in on_thread) == 5  # every guided row (xgrammar's)
+        else:
+            assert on_thread == []
     assert outs["fill"] == outs["off"] and outs["early"] == outs["off"]
-    assert outs["ahead"] == outs["off"]
+    assert outs["ahead"] == outs["off"] and outs["thread"] == outs["off"]
     # a token is accepted once with the early accepts too (the resolve takes their results);
     # both accept before the stops are applied, so a row's ending token is accepted as well
-    assert num_accepts["early"] == num_accepts["fill"] == num_accepts["ahead"]
+    assert (num_accepts["early"] == num_accepts["fill"] == num_accepts["ahead"]
+            == num_accepts["thread"])
     assert num_accepts["fill"] >= num_accepts["off"]
     assert [reason for _, reason in outs["off"][:4]] == ["stop"] * 4  # JSON documents end
 
@@ -807,10 +885,12 @@ def test_overlap_fill_defaults_to_schedule_ahead_and_refuses_a_bad_value(loaded,
     monkeypatch.delenv(OVERLAP_FILL_ENV, raising=False)
     assert modes() == (True, False, True)  # measured ahead of 0 (docs/structured-output.md)
     for value, want in (("0", (False, False, False)), ("1", (True, False, False)),
-                        ("2", (True, True, False)), (" 3 ", (True, False, True))):
+                        ("2", (True, True, False)), (" 3 ", (True, False, True)),
+                        ("4", (True, False, True))):
         monkeypatch.setenv(OVERLAP_FILL_ENV, value)
         assert modes() == want, value
-    for bad in ("4", "on", "-1"):
+        assert LLMEngine(loaded, buckets, "cpu").accepts_on_thread is (value == "4")
+    for bad in ("5", "on", "-1"):
         monkeypatch.setenv(OVERLAP_FILL_ENV, bad)
         with pytest.raises(ValueError, match=OVERLAP_FILL_ENV):
             modes()

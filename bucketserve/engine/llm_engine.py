@@ -21,7 +21,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -62,6 +62,32 @@ def _once_per_sequence(news: list[News]) -> list[News]:
         prev = last.get(id(seq))
         last[id(seq)] = (seq, error if error is not None or prev is None else prev[1])
     return list(last.values()) if len(last) < len(news) else news
+
+
+def _thread_accepts(seqs: list[Sequence], out) -> tuple[dict[int, bool], object | None]:
+    """`_accept_guided` with the xgrammar rows' accepts left for the fill thread
+    (BUCKETSERVE_OVERLAP_FILL=4): ({row: accepted} of the rows accepted here, llguidance's,
+    and a structured.ThreadAccepts of the others, or None where fewer than two are left:
+    then they are accepted here too)."""
+    accepted: dict[int, bool] = {}
+    states, tokens, js = [], [], []
+    for j, (i, token) in enumerate(zip(out.seqs, out.ids, strict=True)):
+        seq = seqs[i]
+        grammar = seq.grammar
+        if grammar is not None and seq.status is not FINISHED:
+            if grammar.llguidance:
+                accepted[j] = grammar.accept(token)
+            else:
+                states.append(grammar)
+                tokens.append(token)
+                js.append(j)
+    if len(js) < 2:
+        for grammar, token, j in zip(states, tokens, js, strict=True):
+            accepted[j] = grammar.accept(token)
+        return accepted, None
+    from bucketserve.engine.structured import ThreadAccepts
+
+    return accepted, ThreadAccepts(states, tokens, js)
 
 
 def _accept_guided(seqs: list[Sequence], out) -> dict[int, bool]:
@@ -175,12 +201,17 @@ class LLMEngine:
         #     after it (as before 2026-12-07);
         #   1 (`overlap_fill` alone) and 2 (`early_fill`: the fill starts at the end of the
         #     call that queued the step, when the tokens are on the host by then): experiments
+        #   4 (`accepts_on_thread`, experiment): 3, with the previous step's xgrammar accepts
+        #     run on the fill thread ahead of the fill (one batch call, which releases the
+        #     GIL) while the engine thread resolves the other rows; the guided rows are
+        #     resolved last, once their accepts are in
         overlap = os.environ.get(OVERLAP_FILL_ENV, "").strip() or "3"
-        if overlap not in ("0", "1", "2", "3"):
-            raise ValueError(f"{OVERLAP_FILL_ENV}={overlap!r}: expected 0, 1, 2 or 3")
+        if overlap not in ("0", "1", "2", "3", "4"):
+            raise ValueError(f"{OVERLAP_FILL_ENV}={overlap!r}: expected 0, 1, 2, 3 or 4")
         self.overlap_fill = overlap != "0"
         self.early_fill = overlap == "2"
-        self.schedule_ahead = overlap == "3"
+        self.schedule_ahead = overlap in ("3", "4")
+        self.accepts_on_thread = overlap == "4"
         # schedule_ahead's state: (the next batch, its PreparedForward), and whether this
         # call's step was taken by the scheduler (on_launched) before its sampling
         self._ahead: tuple | None = None
@@ -195,6 +226,9 @@ class LLMEngine:
         elif overlap == "0":
             log.info("guided steps: the mask fill inside the sampling, the next step scheduled "
                      "after it (%s=0)", OVERLAP_FILL_ENV)
+        elif overlap == "4":
+            log.info("experiment: guided accepts on the fill thread, ahead of the fill (%s=4)",
+                     OVERLAP_FILL_ENV)
         if os.environ.get("BUCKETSERVE_FILL_THREADS", "").strip():  # a bad value fails here
             from bucketserve.engine.structured import fill_threads
 
@@ -320,7 +354,8 @@ class LLMEngine:
             # in-flight step's tokens, which are resolved now, inside sample_queued
             # (its faults fired when its forward was queued)
             batch, forward = queued
-            start = (lambda: self._start_masks(forward)) if self.overlap_fill else None
+            start = ((lambda accepts=None: self._start_masks(forward, accepts))
+                     if self.overlap_fill else None)
             ahead = self.schedule_ahead
             # (with schedule_ahead on_launched counts the step's own token before it
             # samples: a pending offset of -1)
@@ -524,21 +559,26 @@ class LLMEngine:
             self.faults.fire("step", (s.token_ids[0] for s in batch.seqs))
             self.faults.fire("oom", (s.token_ids[0] for s in batch.seqs))
 
-    def _start_masks(self, forward) -> None:
-        """Starts the grammar masks of a queued step's sampling (`overlap_fill`)."""
+    def _start_masks(self, forward, accepts=None) -> None:
+        """Starts the grammar masks of a queued step's sampling (`overlap_fill`); `accepts`
+        (`accepts_on_thread`): the previous step's, to run first on the fill thread (where
+        no fill starts, they do not run: the caller sees `accepts.started` False)."""
         seqs = forward.plan.sampled(forward.batch.seqs)
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if len(rows) > 1:
             self.runner.sampler.start_masks(rows, [seqs[i].grammar for i in rows], len(seqs),
-                                            self.grammar_compiler.vocab_size, self.runner.device)
+                                            self.grammar_compiler.vocab_size, self.runner.device,
+                                            accepts)
 
     def _resolve(self, step: RunnerStep,
-                 start_masks: Callable[[], None] | None = None) -> list[News]:
+                 start_masks: Callable[..., None] | None = None) -> list[News]:
         """Hands a launched step's sampled tokens to the scheduler and the output processor.
         A sequence that finished after the step was launched (a stop in the previous step's
         tokens, an abort) drops its token: it is never emitted. With `start_masks`, the
         grammars accept their tokens first, then `start_masks()` runs, then the rest; where
-        `_accept_early` accepted them already (and started the masks), the rest alone."""
+        `_accept_early` accepted them already (and started the masks), the rest alone. With
+        `accepts_on_thread`, the xgrammar rows' accepts run on the fill thread
+        (`start_masks(accepts)`): the other rows are resolved meanwhile, those rows last."""
         try:
             out = step.result()  # the step's device work (and errors) surface here
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
@@ -547,21 +587,36 @@ class LLMEngine:
         results: list[News] = []
         seqs = step.batch.seqs
         accepted: dict[int, bool] | None = step.early_accepted  # (`_accept_early`)
+        on_thread = None  # structured.ThreadAccepts (`accepts_on_thread`)
         if accepted is None and start_masks is not None:
             # a token the next pass ends the sequence with (EOS, max_tokens, a stop) is
             # accepted too: harmless, the sequence ends; a rejection then counts only where
             # the sequence goes on, as when the accept comes after on_sampled
-            accepted = _accept_guided(seqs, out)
+            if self.accepts_on_thread:
+                accepted, on_thread = _thread_accepts(seqs, out)
+            else:
+                accepted = _accept_guided(seqs, out)
             try:
-                start_masks()
+                start_masks(on_thread) if on_thread is not None else start_masks()
             except Exception:  # noqa: BLE001 - the sampling then fills the masks itself
                 log.exception("starting the grammar masks on the fill thread failed")
+            if on_thread is not None and not on_thread.started:  # no fill took them
+                on_thread()
+        rows: Iterable[int] = range(len(out.ids))
+        wait_at = -1
+        if on_thread is not None:  # those rows last, after the wait for their accepts
+            last = set(on_thread.js)
+            rows = [j for j in rows if j not in last] + on_thread.js
+            wait_at = len(rows) - len(on_thread.js)
         faults = self.faults
         logprobs = out.logprobs
         on_sampled, on_text = self.scheduler.on_sampled, self.outputs.on_text
+        out_seqs, out_ids = out.seqs, out.ids
         now = time.monotonic()
-        for j, (i, token) in enumerate(zip(out.seqs, out.ids, strict=True)):
-            seq = seqs[i]
+        for n, j in enumerate(rows):
+            if n == wait_at:
+                accepted.update(on_thread.results())
+            seq, token = seqs[out_seqs[j]], out_ids[j]
             if seq.status is FINISHED:
                 continue
             finished = on_sampled(seq, token)

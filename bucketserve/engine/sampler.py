@@ -185,11 +185,12 @@ class Sampler:
         return tokens, self._logprobs(raw, seqs, tokens.tolist())
 
     def start_masks(self, rows: list[int], states: list, b: int, vocab: int,
-                    device: torch.device) -> None:
+                    device: torch.device, accepts=None) -> None:
         """Starts the grammar masks of a coming `sample` (engine/structured.GrammarMasks.start):
         rows are the sampled rows with a grammar, `states` their GrammarStates, b the rows
-        of its logits and vocab their width."""
-        self._grammar_masks().start(rows, states, b, vocab, torch.device(device))
+        of its logits and vocab their width; `accepts` (structured.ThreadAccepts), the
+        previous step's accepts to run first on the fill thread."""
+        self._grammar_masks().start(rows, states, b, vocab, torch.device(device), accepts)
 
     def _grammar_masks(self):
         """The engine/structured.GrammarMasks of this sampler, made at the first guided row."""

@@ -393,6 +393,73 @@ class GrammarState:
         return ok
 
 
+def _raw_batch_accept():
+    """xgrammar's batch accept without its Python wrapper (which turns the answer into a
+    list of bools: about 0.1 ms of the 0.15 ms a call of 128 rows takes, all of it holding
+    the GIL), or None where this xgrammar has no such function."""
+    try:
+        from xgrammar.matcher import _core
+
+        return _core.BatchGrammarMatcher.batch_accept_token
+    except (ImportError, AttributeError):
+        return None
+
+
+_RAW_BATCH_ACCEPT = _raw_batch_accept()
+
+
+class ThreadAccepts:
+    """A step's xgrammar accepts handed to the fill thread ahead of that step's successor's
+    mask fill (BUCKETSERVE_OVERLAP_FILL=4): one batch accept call, which releases the GIL, so
+    the engine thread goes on with the rest of the resolve meanwhile. `js`: the rows of the
+    step's output they belong to. Runs once, on the thread or, where no fill took it
+    (`started` still False: `GrammarMasks.start` sets it on the caller's thread before it
+    hands them over), on the caller's; `results()` waits for it and gives {row:
+    accepted}. Updates each state's `terminated` as `GrammarState.accept` does, on the thread
+    (the fill after it leaves ended rows out)."""
+
+    def __init__(self, states: list[GrammarState], tokens: list[int], js: list[int]) -> None:
+        self.states, self.tokens, self.js = states, tokens, js
+        # the rows whose token is a stop token (rare): only their grammar can end here
+        self._stop_rows = [k for k, (st, token) in enumerate(zip(states, tokens, strict=True))
+                           if token in st._stops]
+        self._handles = ([st.matcher._handle for st in states]
+                         if _RAW_BATCH_ACCEPT is not None else None)
+        self.started = False
+        self.ended = False  # whether they ended a grammar (`terminated`)
+        self._done = threading.Event()
+        self._ok = None  # the library's answer: an array of 0 / 1, or a list of bools
+        self._error: BaseException | None = None
+
+    def __call__(self) -> None:
+        self.started = True
+        try:
+            if self._handles is not None:
+                ok = _RAW_BATCH_ACCEPT(self._handles, self.tokens, False)
+            else:
+                ok = xgr.BatchGrammarMatcher.batch_accept_token(
+                    [st.matcher for st in self.states], self.tokens)
+            for k in self._stop_rows:  # (xgrammar ends a match only at a stop token)
+                if ok[k]:
+                    st = self.states[k]
+                    st.terminated = st.matcher.is_terminated()
+                    self.ended = self.ended or st.terminated
+            self._ok = ok
+        except BaseException as exc:  # noqa: BLE001 - raised again in results()
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def results(self) -> dict[int, bool]:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        ok = self._ok
+        if 0 in ok or False in ok:  # (a rejection: rare; reading the array is ~0.7 us a row)
+            return {j: bool(a) for j, a in zip(self.js, ok, strict=True)}
+        return dict.fromkeys(self.js, True)
+
+
 class _Fill:
     """One step's mask fill, split by library: xgrammar's rows through its batch matcher,
     llguidance's through its executor, into the same bitmask (each library releases the
@@ -429,11 +496,15 @@ class _Fill:
 
 
 class _FillJob:
-    def __init__(self, fill: _Fill) -> None:
+    def __init__(self, fill) -> None:
         self.fill = fill
         self.started = threading.Event()
         self.done = threading.Event()
         self.error: BaseException | None = None
+        # the rows and states it filled, where they were known only on the thread (accepts
+        # first: rows whose grammar ended at the accepted token are not filled)
+        self.rows: list[int] | None = None
+        self.states: list[GrammarState] | None = None
 
     def wait(self) -> None:
         self.done.wait()
@@ -527,11 +598,16 @@ class GrammarMasks:
         return self._llexec
 
     def start(self, rows: list[int], states: list[GrammarState], b: int, vocab: int,
-              device: torch.device) -> None:
+              device: torch.device, accepts: ThreadAccepts | None = None) -> None:
         """Starts the fill of these rows' masks on the fill thread (LLMEngine.overlap_fill), for a
         coming `apply` to logits [b, vocab] on `device` with the same rows and states, which
-        then waits for it instead of filling. The matchers must not change in between."""
+        then waits for it instead of filling. The matchers must not change in between.
+        `accepts`: the previous step's accepts, run first on the thread; the rows whose
+        grammar they end are then left out of the fill, as `apply` leaves them out."""
         self._take_pending()  # a fill no apply took: its buffer may be reused below
+        if accepts is not None:
+            self._start_after(accepts, rows, states, b, vocab, device)
+            return
         live = [(r, st) for r, st in zip(rows, states, strict=True) if not st.terminated]
         if len(live) < 2:
             return
@@ -542,6 +618,36 @@ class GrammarMasks:
         job = self._worker.submit(_FillJob(_Fill(self, states, bitmask, rows)))
         self._pending = (rows, states, bitmask, index, job)
 
+    def _start_after(self, accepts: ThreadAccepts, rows: list[int], states: list[GrammarState],
+                     b: int, vocab: int, device: torch.device) -> None:
+        bitmask, index = self._buffers(b, vocab, device)
+        if any(not st.llguidance for st in states):  # (made here, not on the thread)
+            self._batch_matcher()
+        if any(st.llguidance for st in states):
+            self._executor()
+        if self._worker is None:
+            self._worker = _FillThread()
+        live = [(r, st) for r, st in zip(rows, states, strict=True) if not st.terminated]
+        live_rows, live_states = [r for r, _ in live], [st for _, st in live]
+        # made here: on the thread, between the accepts and the fill, the GIL is held and the
+        # engine thread may be waiting for the accepts
+        fill = _Fill(self, live_states, bitmask, live_rows)
+
+        def run() -> None:
+            accepts()
+            job.rows, job.states = live_rows, live_states
+            if accepts.ended:  # the accepts ended some grammars (rare): a fill without them
+                going = [(r, st) for r, st in live if not st.terminated]
+                job.rows, job.states = [r for r, _ in going], [st for _, st in going]
+                _Fill(self, job.states, bitmask, job.rows)()
+            else:
+                fill()
+
+        job = _FillJob(run)
+        accepts.started = True  # claimed here, before the thread can run them: the caller
+        # runs them itself only where this never came
+        self._pending = (rows, states, bitmask, index, self._worker.submit(job))
+
     def _take_pending(self, rows: list[int] | None = None,
                       states: list[GrammarState] | None = None, b: int = 0, words: int = 0):
         """Waits for the started fill, if any, and drops it. Returns its (bitmask, index) when
@@ -551,6 +657,8 @@ class GrammarMasks:
             return None
         p_rows, p_states, bitmask, index, job = pending
         job.wait()
+        if job.rows is not None:
+            p_rows, p_states = job.rows, job.states
         if (rows is not None and states is not None and p_rows == rows
                 and len(p_states) == len(states)
                 and all(a is c for a, c in zip(p_states, states, strict=True))
