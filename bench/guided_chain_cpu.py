@@ -15,7 +15,8 @@ detokenization as in the server's core), per step, after every sequence has reac
                    BUCKETSERVE_OVERLAP_FILL=4, _thread_accepts: llguidance's rows, and
                    handing xgrammar's to the fill thread)
   accept_wait      (=4) the resolve waiting for the fill thread's accepts before it resolves
-                   the guided rows (ThreadAccepts.results)
+                   the guided rows (BatchAccepts.results; with the other modes, inside
+                   accept: the batch's answer read on this thread)
   start_masks      handing the mask fill to its thread, inside it (LLMEngine._start_masks)
   schedule_ahead   LLMEngine._schedule_ahead: on_launched, the schedule and prepare_forward
   prepare_forward  ModelRunner.prepare_forward (StepInputs.fill and the path)
@@ -92,10 +93,12 @@ def main() -> None:
     eng.runner.prepare_forward = timed(eng.runner.prepare_forward, "prepare_forward")
     eng.scheduler.schedule = timed(eng.scheduler.schedule, "schedule")
     le._accept_guided = timed(le._accept_guided, "accept")
-    le._thread_accepts = timed(le._thread_accepts, "accept")
-    from bucketserve.engine.structured import ThreadAccepts
+    if hasattr(le, "_thread_accepts"):  # (since 2026-12-08; A/B runs may import older code)
+        le._thread_accepts = timed(le._thread_accepts, "accept")
+        from bucketserve.engine import structured
 
-    ThreadAccepts.results = timed(ThreadAccepts.results, "accept_wait")
+        batch = getattr(structured, "BatchAccepts", None) or structured.ThreadAccepts
+        batch.results = timed(batch.results, "accept_wait")
     masks = eng.runner.sampler._grammar_masks()
     masks._take_pending = timed(masks._take_pending, "fill_wait")
     step = timed(eng.step_news, "step")

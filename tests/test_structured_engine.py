@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
 from concurrent.futures import Future
 
 import jsonschema
@@ -310,18 +311,16 @@ def test_terminated_is_the_matchers_after_every_accept(small_compiler):
 @pytest.mark.parametrize("raw", [True, False], ids=["raw", "wrapper"])
 def test_accepts_on_the_fill_thread_equal_accepting_here(small_compiler, monkeypatch, raw):
     """BUCKETSERVE_OVERLAP_FILL=4: a step's accepts handed to the fill thread
-    (structured.ThreadAccepts, run by GrammarMasks.start ahead of the fill) give each row the
+    (structured.BatchAccepts, run by GrammarMasks.start ahead of the fill) give each row the
     answer and the `terminated` its own GrammarState.accept gives (a valid token, a rejected
     one, EOS ending a document), they run on the fill thread, and the masks applied after them
     equal those of accepting here first: a row whose grammar the accept ended is not masked.
     Through xgrammar's batch accept without its Python wrapper (`raw`) and with it (where the
     library lacks the former)."""
-    import threading
-
     import torch
 
     from bucketserve.engine import structured
-    from bucketserve.engine.structured import GrammarMasks, ThreadAccepts
+    from bucketserve.engine.structured import BatchAccepts, GrammarMasks
 
     if raw:
         assert structured._RAW_BATCH_ACCEPT is not None  # (this xgrammar has it)
@@ -343,7 +342,7 @@ def test_accepts_on_the_fill_thread_equal_accepting_here(small_compiler, monkeyp
 
     ran_on: list[str] = []
 
-    class Spied(ThreadAccepts):
+    class Spied(BatchAccepts):
         def __call__(self):
             ran_on.append(threading.current_thread().name)
             super().__call__()
@@ -653,19 +652,17 @@ def test_mask_fill_on_a_thread_gives_the_same_tokens(loaded, monkeypatch):
         return accept(self, token)
 
     monkeypatch.setattr(GrammarState, "accept", count_accept)
-    from bucketserve.engine.structured import ThreadAccepts
+    from bucketserve.engine.structured import BatchAccepts
 
     on_thread: list[tuple[str, int]] = []  # accepts_on_thread: (the thread, rows) per batch
-    thread_accept = ThreadAccepts.__call__
+    thread_accept = BatchAccepts.__call__
 
     def count_thread_accepts(self):
-        import threading
-
         on_thread.append((threading.current_thread().name, len(self.tokens)))
         accepts[0] += len(self.tokens)
         return thread_accept(self)
 
-    monkeypatch.setattr(ThreadAccepts, "__call__", count_thread_accepts)
+    monkeypatch.setattr(BatchAccepts, "__call__", count_thread_accepts)
     from bucketserve.engine.runner import ModelRunner
 
     prepared_ahead = [0]  # schedule_ahead: steps prepared before the sampling of the one before

@@ -67,8 +67,8 @@ def _once_per_sequence(news: list[News]) -> list[News]:
 def _thread_accepts(seqs: list[Sequence], out) -> tuple[dict[int, bool], object | None]:
     """`_accept_guided` with the xgrammar rows' accepts left for the fill thread
     (BUCKETSERVE_OVERLAP_FILL=4): ({row: accepted} of the rows accepted here, llguidance's,
-    and a structured.ThreadAccepts of the others, or None where fewer than two are left:
-    then they are accepted here too)."""
+    and a structured.BatchAccepts of xgrammar's, not yet run, or None where fewer than two
+    are left: then they are accepted here too)."""
     accepted: dict[int, bool] = {}
     states, tokens, js = [], [], []
     for j, (i, token) in enumerate(zip(out.seqs, out.ids, strict=True)):
@@ -85,14 +85,17 @@ def _thread_accepts(seqs: list[Sequence], out) -> tuple[dict[int, bool], object 
         for grammar, token, j in zip(states, tokens, js, strict=True):
             accepted[j] = grammar.accept(token)
         return accepted, None
-    from bucketserve.engine.structured import ThreadAccepts
+    from bucketserve.engine.structured import BatchAccepts
 
-    return accepted, ThreadAccepts(states, tokens, js)
+    return accepted, BatchAccepts(states, tokens, js)
 
 
 def _accept_guided(seqs: list[Sequence], out) -> dict[int, bool]:
     """The guided sequences' grammars accept a step's sampled tokens (`out`: the step's
-    RunnerOutput over `seqs`), ahead of the rest of its resolve: {index in out: accepted}."""
+    RunnerOutput over `seqs`), ahead of the rest of its resolve: {index in out: accepted}.
+    (One batch call here, structured.BatchAccepts, took as long as this loop on a 2-core
+    Xeon, 0.52-0.53 against 0.51-0.54 ms a step for 128 rows: the matchers' own work, not
+    the calls, is most of it.)"""
     accepted: dict[int, bool] = {}
     for j, (i, token) in enumerate(zip(out.seqs, out.ids, strict=True)):
         seq = seqs[i]
@@ -587,7 +590,7 @@ class LLMEngine:
         results: list[News] = []
         seqs = step.batch.seqs
         accepted: dict[int, bool] | None = step.early_accepted  # (`_accept_early`)
-        on_thread = None  # structured.ThreadAccepts (`accepts_on_thread`)
+        on_thread = None  # structured.BatchAccepts (`accepts_on_thread`)
         if accepted is None and start_masks is not None:
             # a token the next pass ends the sequence with (EOS, max_tokens, a stop) is
             # accepted too: harmless, the sequence ends; a rejection then counts only where

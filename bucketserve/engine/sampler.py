@@ -188,7 +188,7 @@ class Sampler:
                     device: torch.device, accepts=None) -> None:
         """Starts the grammar masks of a coming `sample` (engine/structured.GrammarMasks.start):
         rows are the sampled rows with a grammar, `states` their GrammarStates, b the rows
-        of its logits and vocab their width; `accepts` (structured.ThreadAccepts), the
+        of its logits and vocab their width; `accepts` (structured.BatchAccepts), the
         previous step's accepts to run first on the fill thread."""
         self._grammar_masks().start(rows, states, b, vocab, torch.device(device), accepts)
 

@@ -408,15 +408,15 @@ def _raw_batch_accept():
 _RAW_BATCH_ACCEPT = _raw_batch_accept()
 
 
-class ThreadAccepts:
-    """A step's xgrammar accepts handed to the fill thread ahead of that step's successor's
-    mask fill (BUCKETSERVE_OVERLAP_FILL=4): one batch accept call, which releases the GIL, so
-    the engine thread goes on with the rest of the resolve meanwhile. `js`: the rows of the
-    step's output they belong to. Runs once, on the thread or, where no fill took it
-    (`started` still False: `GrammarMasks.start` sets it on the caller's thread before it
-    hands them over), on the caller's; `results()` waits for it and gives {row:
-    accepted}. Updates each state's `terminated` as `GrammarState.accept` does, on the thread
-    (the fill after it leaves ended rows out)."""
+class BatchAccepts:
+    """A step's xgrammar accepts as one batch call (which releases the GIL): run by the
+    engine thread (`LLMEngine._resolve`'s accepts), or handed to the fill thread ahead of the
+    next step's mask fill (BUCKETSERVE_OVERLAP_FILL=4), while the engine thread goes on with
+    the rest of the resolve. `js`: the rows of the step's output they belong to. Runs once:
+    where `started` is still False (`GrammarMasks.start` sets it on the caller's thread
+    before it hands them over) the caller runs it. `results()` waits for it and gives {row:
+    accepted}. Updates each state's `terminated` as `GrammarState.accept` does, where it runs
+    (a fill after it leaves ended rows out)."""
 
     def __init__(self, states: list[GrammarState], tokens: list[int], js: list[int]) -> None:
         self.states, self.tokens, self.js = states, tokens, js
@@ -598,7 +598,7 @@ class GrammarMasks:
         return self._llexec
 
     def start(self, rows: list[int], states: list[GrammarState], b: int, vocab: int,
-              device: torch.device, accepts: ThreadAccepts | None = None) -> None:
+              device: torch.device, accepts: BatchAccepts | None = None) -> None:
         """Starts the fill of these rows' masks on the fill thread (LLMEngine.overlap_fill), for a
         coming `apply` to logits [b, vocab] on `device` with the same rows and states, which
         then waits for it instead of filling. The matchers must not change in between.
@@ -618,7 +618,7 @@ class GrammarMasks:
         job = self._worker.submit(_FillJob(_Fill(self, states, bitmask, rows)))
         self._pending = (rows, states, bitmask, index, job)
 
-    def _start_after(self, accepts: ThreadAccepts, rows: list[int], states: list[GrammarState],
+    def _start_after(self, accepts: BatchAccepts, rows: list[int], states: list[GrammarState],
                      b: int, vocab: int, device: torch.device) -> None:
         bitmask, index = self._buffers(b, vocab, device)
         if any(not st.llguidance for st in states):  # (made here, not on the thread)
