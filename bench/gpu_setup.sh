@@ -3,7 +3,9 @@
 # machine and exports what the GPU benchmarks and tests read.
 #
 #   source bench/gpu_setup.sh && machine > $OUT/machine.txt
-if [ ! -f /tmp/site/.done ]; then
+if [ ! -d .gpuassets/wheels-ours ]; then
+  echo "gpu_setup: no .gpuassets carried: the wheels are not installed (enough for vllm_piece)"
+elif [ ! -f /tmp/site/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .gpuassets/wheels-ours/*.whl && touch /tmp/site/.done \
     || { echo "gpu_setup: installing the wheels failed"; return 1; }
