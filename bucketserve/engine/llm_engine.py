@@ -357,7 +357,7 @@ class LLMEngine:
             # in-flight step's tokens, which are resolved now, inside sample_queued
             # (its faults fired when its forward was queued)
             batch, forward = queued
-            start = ((lambda accepts=None: self._start_masks(forward, accepts))
+            start = ((lambda accepts: self._start_masks(forward, accepts))
                      if self.overlap_fill else None)
             ahead = self.schedule_ahead
             # (with schedule_ahead on_launched counts the step's own token before it
@@ -393,7 +393,7 @@ class LLMEngine:
                 launch: Callable[[Callable[[], None] | None], RunnerStep],
                 needs_host_tokens: bool | None = None,
                 fire_faults: bool = True,
-                start_masks: Callable[[], None] | None = None,
+                start_masks: Callable[..., None] | None = None,
                 then: Callable[[], None] | None = None) -> RunnerStep | None:
         """Launches `batch` (`launch(before_sample)`: the whole step, or the sampling of a
         queued forward) and resolves the in-flight step: inside the launch, after the forward
@@ -578,7 +578,7 @@ class LLMEngine:
         """Hands a launched step's sampled tokens to the scheduler and the output processor.
         A sequence that finished after the step was launched (a stop in the previous step's
         tokens, an abort) drops its token: it is never emitted. With `start_masks`, the
-        grammars accept their tokens first, then `start_masks()` runs, then the rest; where
+        grammars accept their tokens first, then `start_masks(None)` runs, then the rest; where
         `_accept_early` accepted them already (and started the masks), the rest alone. With
         `accepts_on_thread`, the xgrammar rows' accepts run on the fill thread
         (`start_masks(accepts)`): the other rows are resolved meanwhile, those rows last."""
@@ -600,7 +600,7 @@ class LLMEngine:
             else:
                 accepted = _accept_guided(seqs, out)
             try:
-                start_masks(on_thread) if on_thread is not None else start_masks()
+                start_masks(on_thread)
             except Exception:  # noqa: BLE001 - the sampling then fills the masks itself
                 log.exception("starting the grammar masks on the fill thread failed")
             if on_thread is not None and not on_thread.started:  # no fill took them

@@ -621,16 +621,13 @@ class GrammarMasks:
     def _start_after(self, accepts: BatchAccepts, rows: list[int], states: list[GrammarState],
                      b: int, vocab: int, device: torch.device) -> None:
         bitmask, index = self._buffers(b, vocab, device)
-        if any(not st.llguidance for st in states):  # (made here, not on the thread)
-            self._batch_matcher()
-        if any(st.llguidance for st in states):
-            self._executor()
         if self._worker is None:
             self._worker = _FillThread()
         live = [(r, st) for r, st in zip(rows, states, strict=True) if not st.terminated]
         live_rows, live_states = [r for r, _ in live], [st for _, st in live]
         # made here: on the thread, between the accepts and the fill, the GIL is held and the
-        # engine thread may be waiting for the accepts
+        # engine thread may be waiting for the accepts. (It also makes the libraries' batch
+        # helpers that a fill of fewer rows, rebuilt on the thread below, would need.)
         fill = _Fill(self, live_states, bitmask, live_rows)
 
         def run() -> None:
